@@ -1,0 +1,120 @@
+"""Process-reward judges: score every Action of an Episode in context.
+
+A judge is any object with a `name` and `score(episode, actions) -> list[Reward]`. A failed verdict is a
+Reward with `score=None` and the reason, never a silent neutral score (the reference falls back to 5/10 on
+any failure; we count and exclude). This module never imports torch or langgraph.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from .traces import Action, Episode, Reward
+
+log = logging.getLogger(__name__)
+
+VerifierResult = float | int | bool | None | tuple[float | int | bool | None, str]
+VerifierFn = Callable[[Action, Episode, Any], VerifierResult]
+
+
+class JudgeError(RuntimeError):
+    """Raised only when asked (`strict=True`); by default a failed verdict becomes an unscored Reward."""
+
+
+@runtime_checkable
+class ProcessJudge(Protocol):
+    """Scores actions in the context of their episode. Scores are in [0, 1]; None means unscored."""
+
+    name: str
+
+    def score(self, episode: Episode, actions: Sequence[Action] | None = None) -> list[Reward]: ...
+
+
+def unscored(action: Action, judge: str, reason: str) -> Reward:
+    return Reward(
+        action_id=action.id,
+        episode_id=action.episode_id,
+        agent=action.agent,
+        judge=judge,
+        score=None,
+        unscored_reason=reason,
+    )
+
+
+def check_score(value: float, *, low: float = 0.0, high: float = 1.0) -> float:
+    """Validate a numeric verdict; raises ValueError naming the bad value."""
+    score = float(value)
+    if math.isnan(score) or math.isinf(score):
+        raise ValueError(f"score {score!r} is not a finite number")
+    if not low <= score <= high:
+        raise ValueError(f"score {score!r} is outside [{low}, {high}]")
+    return score
+
+
+class VerifierJudge:
+    """A programmatic judge: `fn(action, episode, reference)` returns a score in [0, 1], or None to abstain,
+    optionally as `(score, rationale)`. The episode's `reference` is passed as the third argument.
+
+    An exception from `fn` on one action becomes an unscored Reward for that action only; the other actions
+    and the episode are untouched.
+    """
+
+    def __init__(
+        self,
+        fn: VerifierFn,
+        *,
+        name: str | None = None,
+        agents: Sequence[str] | None = None,
+        strict: bool = False,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"VerifierJudge needs a callable fn(action, episode, reference), got {type(fn).__name__}")
+        self.fn = fn
+        self.name = name or f"verifier:{getattr(fn, '__name__', 'fn')}"
+        self.agents = set(agents) if agents is not None else None
+        self.strict = strict
+
+    def score(self, episode: Episode, actions: Sequence[Action] | None = None) -> list[Reward]:
+        chosen = list(episode.actions if actions is None else actions)
+        rewards: list[Reward] = []
+        for action in chosen:
+            if self.agents is not None and action.agent not in self.agents:
+                continue
+            rewards.append(self._score_one(action, episode))
+        return rewards
+
+    def _score_one(self, action: Action, episode: Episode) -> Reward:
+        where = f"action {action.id[:8]} (node '{action.node}', agent '{action.agent}')"
+        try:
+            result = self.fn(action, episode, episode.reference)
+        except Exception as exc:  # a user's verifier may raise anything; keep the episode, record why
+            reason = f"judge '{self.name}' raised {type(exc).__name__} on {where}: {exc}"
+            if self.strict:
+                raise JudgeError(reason) from exc
+            log.warning(reason)
+            return unscored(action, self.name, reason)
+        rationale = ""
+        if isinstance(result, tuple):
+            result, rationale = result
+        if result is None:
+            return unscored(action, self.name, f"judge '{self.name}' abstained on {where}")
+        try:
+            score = check_score(float(result))
+        except (TypeError, ValueError) as exc:
+            reason = f"judge '{self.name}' gave an invalid score on {where}: {exc}"
+            if self.strict:
+                raise JudgeError(reason) from exc
+            log.warning(reason)
+            return unscored(action, self.name, reason)
+        return Reward(
+            action_id=action.id,
+            episode_id=action.episode_id,
+            agent=action.agent,
+            judge=self.name,
+            score=score,
+            raw_score=float(result),
+            rationale=rationale,
+        )

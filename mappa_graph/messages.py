@@ -1,0 +1,93 @@
+"""Conversions between langchain-core messages and the plain dicts that traces store.
+
+One compact shape everywhere ({"role", "content", "tool_calls", "tool_call_id", "name"}), close to what
+Hugging Face chat templates take, so a stored prompt can be re-rendered without langchain.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from langchain_core.messages import (
+    AIMessage,
+    BaseMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from pydantic import BaseModel
+
+_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "chat": "user"}
+# Keys the local policy puts in response_metadata; traces keep them as Action fields, not in the message.
+MAPPA_KEY = "mappa"
+
+
+def message_to_dict(message: BaseMessage) -> dict[str, Any]:
+    role = _ROLES.get(message.type, message.type)
+    out: dict[str, Any] = {"role": role, "content": message.content}
+    if isinstance(message, AIMessage) and message.tool_calls:
+        out["tool_calls"] = [
+            {"id": call.get("id"), "name": call["name"], "args": call.get("args", {})} for call in message.tool_calls
+        ]
+    if isinstance(message, ToolMessage):
+        out["tool_call_id"] = message.tool_call_id
+        if message.status == "error":
+            out["status"] = "error"
+    if message.name:
+        out["name"] = message.name
+    return out
+
+
+def dict_to_message(data: dict[str, Any]) -> BaseMessage:
+    role = data.get("role", "user")
+    content = data.get("content", "")
+    if role == "assistant":
+        calls = [
+            {"id": c.get("id"), "name": c["name"], "args": c.get("args", {}), "type": "tool_call"}
+            for c in data.get("tool_calls", [])
+        ]
+        return AIMessage(content=content, tool_calls=calls, name=data.get("name"))
+    if role == "system":
+        return SystemMessage(content=content)
+    if role == "tool":
+        return ToolMessage(content=content, tool_call_id=data.get("tool_call_id") or "", name=data.get("name"))
+    return HumanMessage(content=content, name=data.get("name"))
+
+
+def content_text(content: Any) -> str:
+    """Flatten message content (a string, or a list of content blocks) to text."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for block in content:
+            if isinstance(block, str):
+                parts.append(block)
+            elif isinstance(block, dict) and "text" in block:
+                parts.append(str(block["text"]))
+        return "".join(parts)
+    return str(content)
+
+
+def to_jsonable(value: Any, _depth: int = 0) -> Any:
+    """Make graph state (messages, pydantic models, dataclasses...) storable as JSON without losing meaning."""
+    if _depth > 32:
+        return repr(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, BaseMessage):
+        return message_to_dict(value)
+    if isinstance(value, BaseModel):
+        return to_jsonable(value.model_dump(mode="json"), _depth + 1)
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v, _depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [to_jsonable(v, _depth + 1) for v in value]
+    if hasattr(value, "__dataclass_fields__"):
+        return {k: to_jsonable(getattr(value, k), _depth + 1) for k in value.__dataclass_fields__}
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)

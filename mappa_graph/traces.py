@@ -1,0 +1,132 @@
+"""Trace types: the only contract between capture (tracing, store) and training (judge, trainer).
+
+Everything here is plain pydantic so an Episode can leave the process as JSON (store, JSONL export, Ray) and
+come back unchanged. Messages are kept as plain dicts (role, content, tool_calls...) rather than langchain
+objects, so the trainer never needs langchain to read a trace.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class ToolCall(BaseModel):
+    """A tool call an LLM asked for (OpenAI shape: id, name, arguments)."""
+
+    id: str | None = None
+    name: str
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolResult(BaseModel):
+    """What a tool gave back; `error` is set when the tool raised or refused (sandbox limits, network)."""
+
+    tool_call_id: str | None = None
+    name: str
+    output: str = ""
+    error: str | None = None
+    latency_s: float | None = None
+
+
+class Action(BaseModel):
+    """One agent's turn inside one node: the unit the judge scores and the loss trains on.
+
+    `kind` is "llm" for a chat-model call (trainable when it has token ids) and "node" for a node turn that
+    made no model call (a ToolNode, a router): it still shows in the trace so the judge sees the whole team.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(default_factory=new_id)
+    episode_id: str = ""
+    kind: Literal["llm", "node"] = "llm"
+    node: str
+    agent: str
+    step: int | None = None
+    checkpoint_ns: str | None = None
+    parent_id: str | None = None
+    index: int = 0
+    input_messages: list[dict[str, Any]] = Field(default_factory=list)
+    output_message: dict[str, Any] | None = None
+    node_input: Any = None
+    node_output: Any = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_results: list[ToolResult] = Field(default_factory=list)
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
+    output_logprobs: list[float] | None = None
+    token_source: Literal["backend", "retokenized"] | None = None
+    model: str | None = None
+    adapter: str | None = None
+    latency_s: float | None = None
+    started_at: float = Field(default_factory=time.time)
+    error: str | None = None
+
+    @property
+    def output_text(self) -> str:
+        if self.output_message is None:
+            return ""
+        content = self.output_message.get("content", "")
+        return content if isinstance(content, str) else str(content)
+
+    @property
+    def trainable(self) -> bool:
+        return self.kind == "llm" and bool(self.output_token_ids) and self.prompt_token_ids is not None
+
+
+class Episode(BaseModel):
+    """One run of the graph on one task: its input, every Action in order, the final state and outcome."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(default_factory=new_id)
+    run: str = "default"
+    task_id: str | None = None
+    input: Any = None
+    final_state: Any = None
+    reference: Any = None
+    outcome: float | None = None
+    actions: list[Action] = Field(default_factory=list)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    started_at: float = Field(default_factory=time.time)
+    ended_at: float | None = None
+    error: str | None = None
+
+    def actions_of(self, agent: str) -> list[Action]:
+        return [a for a in self.actions if a.agent == agent]
+
+    @property
+    def agents(self) -> list[str]:
+        return list(dict.fromkeys(a.agent for a in self.actions))
+
+
+class Reward(BaseModel):
+    """A judge's verdict on one Action. `score is None` means unscored: masked out of the loss, never zero."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(default_factory=new_id)
+    action_id: str
+    episode_id: str
+    agent: str
+    judge: str
+    score: float | None = None
+    raw_score: float | None = None
+    rationale: str = ""
+    unscored_reason: str | None = None
+    repaired: bool = False
+    override_by: str | None = None
+    override_reason: str | None = None
+    created_at: float = Field(default_factory=time.time)
+
+    @property
+    def scored(self) -> bool:
+        return self.score is not None

@@ -1,0 +1,42 @@
+"""Loading a base model: a hub name, a local folder, or "tiny" (built offline), all through transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .tiny import TINY_NAME, build_tiny_model
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Where `from_pretrained` should look: the tiny model's cache folder for "tiny", else the name as given."""
+    if name_or_path == TINY_NAME or name_or_path.startswith(f"{TINY_NAME}:"):
+        seed = int(name_or_path.split(":", 1)[1]) if ":" in name_or_path else 0
+        return str(build_tiny_model(seed=seed))
+    return name_or_path
+
+
+def load_base_model(name_or_path: str, *, dtype: str | None = None, device: str | None = None) -> tuple[Any, Any, str]:
+    """Return (model, tokenizer, resolved path or name). `dtype` is a torch dtype name ("bfloat16"...)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(name_or_path)
+    torch_dtype = getattr(torch, dtype) if dtype else None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    except OSError as exc:
+        local = Path(path).exists()
+        hint = (
+            "the folder exists but holds no loadable model/tokenizer"
+            if local
+            else "it is not a local folder and the model hub could not provide it (offline?); "
+            "pass a local path, or 'tiny' for the offline test model"
+        )
+        raise OSError(f"could not load base model {name_or_path!r}: {hint} ({exc})") from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if device:
+        model.to(device)
+    return model, tokenizer, path

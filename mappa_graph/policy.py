@@ -1,0 +1,240 @@
+"""AgentPolicies: one base causal LM, one named peft LoRA adapter per agent.
+
+All agents share the base weights (the reference keeps a full model copy per agent; adapters cost a few MB
+each). Switching adapters is global state on the peft model, so generation and log-prob passes take a lock:
+concurrent episodes on one local model are serialised here rather than mixing adapters.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    import torch
+
+    from .chat import PolicyChatModel
+
+
+class LoraSettings(BaseModel):
+    """LoRA hyper-parameters shared by every agent's adapter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    r: int = Field(8, ge=1, description="adapter rank")
+    alpha: int = Field(16, ge=1, description="scaling numerator (scale = alpha / r)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter input")
+    target_modules: list[str] | str = Field("all-linear", description="modules that get adapters")
+
+
+class Generation(BaseModel):
+    """What one sampled completion left behind: the exact tokens and the behaviour log-probs."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    output_logprobs: list[float]
+    finished: bool
+
+
+class UnknownAgentError(KeyError):
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
+
+
+class AgentPolicies:
+    """The team's policies: `model` is a peft model holding one adapter per agent on a shared base."""
+
+    def __init__(
+        self,
+        base_model: Any,
+        tokenizer: Any,
+        agents: Sequence[str],
+        *,
+        base_name: str,
+        base_path: str | None = None,
+        lora: LoraSettings | None = None,
+        adapters: dict[str, str] | None = None,
+    ) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        agents = list(dict.fromkeys(agents))
+        if not agents:
+            raise ValueError("AgentPolicies needs at least one agent name")
+        self.lora = lora or LoraSettings()
+        self.tokenizer = tokenizer
+        self.base_name = base_name
+        self.base_path = base_path
+        self.agents = agents
+        config = LoraConfig(
+            r=self.lora.r,
+            lora_alpha=self.lora.alpha,
+            lora_dropout=self.lora.dropout,
+            target_modules=self.lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        self.model = get_peft_model(base_model, config, adapter_name=agents[0])
+        for agent in agents[1:]:
+            self.model.add_adapter(agent, config)
+        for agent, folder in (adapters or {}).items():
+            self.load_adapter(agent, folder)
+        self.lock = threading.RLock()
+        self.model.eval()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        agents: Sequence[str],
+        *,
+        lora: LoraSettings | None = None,
+        dtype: str | None = None,
+        device: str | None = None,
+    ) -> AgentPolicies:
+        """Load a base model by hub name, local path, or "tiny" (built offline) and add one adapter per agent."""
+        from .models import load_base_model
+
+        model, tokenizer, path = load_base_model(name_or_path, dtype=dtype, device=device)
+        return cls(model, tokenizer, agents, base_name=name_or_path, base_path=path, lora=lora)
+
+    # ---- agents and adapters --------------------------------------------------------------------------
+    def check_agent(self, agent: str) -> str:
+        if agent not in self.agents:
+            raise UnknownAgentError(f"unknown agent {agent!r} (agents: {', '.join(self.agents)})")
+        return agent
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @contextmanager
+    def active(self, agent: str) -> Iterator[None]:
+        """Route the model through `agent`'s adapter for the body of the block."""
+        self.check_agent(agent)
+        with self.lock:
+            if self.model.active_adapter != agent:
+                self.model.set_adapter(agent)
+            yield
+
+    @contextmanager
+    def base_only(self) -> Iterator[None]:
+        """The base model with every adapter off (the KL reference)."""
+        with self.lock, self.model.disable_adapter():
+            yield
+
+    def adapter_parameters(self, agent: str) -> dict[str, torch.nn.Parameter]:
+        """The LoRA tensors of one agent, by name: what its optimiser steps and what export saves."""
+        self.check_agent(agent)
+        marker = f".{agent}."
+        params = {n: p for n, p in self.model.named_parameters() if "lora_" in n and marker in n}
+        if not params:
+            raise RuntimeError(f"agent {agent!r} has no LoRA parameters; is target_modules right for this model?")
+        return params
+
+    def load_adapter(self, agent: str, folder: str | Path) -> None:
+        """Replace an agent's adapter weights with those saved in a PEFT adapter folder."""
+        from peft.utils import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        self.check_agent(agent)
+        weights = Path(folder) / "adapter_model.safetensors"
+        if not weights.exists():
+            raise FileNotFoundError(f"no adapter weights at {weights} (expected a PEFT adapter folder)")
+        with self.lock:
+            set_peft_model_state_dict(self.model, load_file(str(weights)), adapter_name=agent)
+
+    def chat_model(self, agent: str, **kwargs: Any) -> PolicyChatModel:
+        """A langchain-core chat model whose calls go to `agent`'s adapter (use it inside that agent's node)."""
+        from .chat import PolicyChatModel
+
+        self.check_agent(agent)
+        return PolicyChatModel(policies=self, agent=agent, **kwargs)
+
+    # ---- tokens -----------------------------------------------------------------------------------------
+    def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Chat-template the messages (HF format) into prompt token ids, generation prompt included."""
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        eos = self.tokenizer.eos_token_id
+        return [eos] if eos is not None else []
+
+    def generate(
+        self,
+        agent: str,
+        prompt_ids: Sequence[int],
+        *,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        do_sample: bool = True,
+    ) -> Generation:
+        """Sample one completion under `agent`'s adapter, with the log-prob of each sampled token under the
+        distribution it was sampled from (temperature applied, no top-k/top-p: the behaviour policy the
+        importance ratio needs)."""
+        import torch
+
+        ids = torch.tensor([list(prompt_ids)], device=self.device)
+        with self.active(agent), torch.no_grad():
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=do_sample,
+                temperature=temperature if do_sample else None,
+                top_k=None,
+                top_p=None,
+                eos_token_id=self.stop_token_ids or None,
+                pad_token_id=self.tokenizer.pad_token_id,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        new = out.sequences[0, ids.shape[1]:]
+        scores = torch.stack(out.scores, dim=0)[:, 0, :].float()  # (T, V)
+        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new[: scores.shape[0], None])[:, 0]
+        tokens = new.tolist()
+        stop = set(self.stop_token_ids)
+        finished = False
+        for i, tok in enumerate(tokens):
+            if tok in stop:
+                tokens, finished = tokens[: i + 1], True
+                break
+        return Generation(
+            prompt_token_ids=list(prompt_ids),
+            output_token_ids=tokens,
+            output_logprobs=logprobs[: len(tokens)].tolist(),
+            finished=finished,
+        )
+
+    def token_logprobs(
+        self, agent: str | None, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]
+    ) -> list[torch.Tensor]:
+        """Log-prob of each output token given its prompt, one padded forward for the whole batch; gradients
+        flow into `agent`'s adapter (agent=None: the base with adapters off, no grad). Returns one (T_i,)
+        tensor per sample."""
+        import torch
+
+        if len(prompts) != len(outputs):
+            raise ValueError(f"{len(prompts)} prompts but {len(outputs)} outputs")
+        seqs = [list(p) + list(o) for p, o in zip(prompts, outputs)]
+        width = max(len(s) for s in seqs)
+        pad = self.tokenizer.pad_token_id or 0
+        ids = torch.full((len(seqs), width), pad, dtype=torch.long, device=self.device)  # (B, L)
+        mask = torch.zeros_like(ids)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(s)] = 1
+        ctx = self.base_only() if agent is None else self.active(agent)
+        with ctx, (torch.no_grad() if agent is None else torch.enable_grad()):
+            logits = self.model(input_ids=ids, attention_mask=mask).logits.float()  # (B, L, V)
+        logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, L-1)
+        result = []
+        for i, (p, o) in enumerate(zip(prompts, outputs)):
+            start = len(p) - 1  # logits at position t predict token t+1
+            result.append(logp[i, start : start + len(o)])
+        return result

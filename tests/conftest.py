@@ -1,0 +1,44 @@
+"""Shared fixtures. Tests never reach the network: hub access is switched off and any socket connection
+to a non-loopback address fails loudly (a loopback server is how HTTP paths are tested)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("MAPPA_CACHE_DIR", str(ROOT / ".mappa_cache"))
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+_LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+_real_connect = socket.socket.connect
+
+
+def _guarded_connect(self: socket.socket, address):  # type: ignore[no-untyped-def]
+    host = address[0] if isinstance(address, tuple) else address
+    if self.family in (socket.AF_INET, socket.AF_INET6) and host not in _LOOPBACK:
+        raise RuntimeError(f"test tried to reach the network ({address!r}); tests may only use loopback servers")
+    return _real_connect(self, address)
+
+
+socket.socket.connect = _guarded_connect  # type: ignore[method-assign]
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> Path:
+    from mappa_graph.tiny import build_tiny_model
+
+    return build_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def dabench_dir() -> Path:
+    path = Path(os.environ.get("MAPPA_DABENCH_DIR", ROOT.parent / "shared" / "data" / "dabench"))
+    if not (path / "questions.jsonl").exists():
+        pytest.skip(f"DABench data not found at {path} (set MAPPA_DABENCH_DIR)")
+    return path

@@ -1,0 +1,58 @@
+import json
+
+import pytest
+
+from mappa_graph import Action, Episode, Reward, TraceStore
+
+
+def _episode(run: str, agents: list[str], task: str = "t") -> Episode:
+    ep = Episode(run=run, task_id=task, input={"task": task})
+    ep.actions = [Action(episode_id=ep.id, node=a, agent=a, index=i, output_message={"role": "assistant", "content": a})
+                  for i, a in enumerate(agents)]
+    return ep
+
+
+def test_episodes_survive_close_and_reopen(tmp_path) -> None:
+    path = tmp_path / "traces.db"
+    with TraceStore(path) as store:
+        e1, e2 = _episode("r1", ["planner", "coder"]), _episode("r2", ["coder"])
+        store.add_episodes([e1, e2])
+        store.add_rewards([Reward(action_id=e1.actions[1].id, episode_id=e1.id, agent="coder", judge="v", score=0.5)])
+    with TraceStore(path) as store:
+        assert store.episode(e1.id) == e1
+        assert [e.id for e in store.episodes()] == [e1.id, e2.id]
+        assert [e.id for e in store.episodes(run="r2")] == [e2.id]
+        assert [e.id for e in store.episodes(agent="planner")] == [e1.id]
+        assert [a.agent for a in store.actions(run="r1")] == ["planner", "coder"]
+        assert [a.id for a in store.actions(agent="coder")] == [e1.actions[1].id, e2.actions[0].id]
+        (r,) = store.rewards(run="r1", agent="coder")
+        assert r.score == 0.5 and r.action_id == e1.actions[1].id
+        assert store.runs() == ["r1", "r2"]
+        assert (store.count("episodes"), store.count("actions"), store.count("rewards")) == (2, 3, 1)
+
+
+def test_export_jsonl_has_one_line_per_episode_with_rewards(tmp_path) -> None:
+    store = TraceStore(tmp_path / "t.db")
+    ep = _episode("r", ["coder"])
+    store.add_episode(ep)
+    store.add_rewards([Reward(action_id=ep.actions[0].id, episode_id=ep.id, agent="coder", judge="v", score=None,
+                              unscored_reason="abstained")])
+    n = store.export_jsonl(tmp_path / "out" / "traces.jsonl")
+    lines = (tmp_path / "out" / "traces.jsonl").read_text().splitlines()
+    assert n == 1 and len(lines) == 1
+    record = json.loads(lines[0])
+    assert record["actions"][0]["agent"] == "coder"
+    assert record["rewards"][0]["unscored_reason"] == "abstained"
+
+
+def test_reward_for_unknown_episode_is_refused_and_nothing_is_written(tmp_path) -> None:
+    store = TraceStore(tmp_path / "t.db")
+    ep = _episode("r", ["coder"])
+    store.add_episode(ep)
+    good = Reward(action_id=ep.actions[0].id, episode_id=ep.id, agent="coder", judge="v", score=1.0)
+    bad = Reward(action_id="x", episode_id="nope", agent="coder", judge="v", score=1.0)
+    with pytest.raises(KeyError, match="store the episode before its rewards"):
+        store.add_rewards([good, bad])
+    assert store.count("rewards") == 0  # the transaction rolled back as a whole
+    store.set_outcome(ep.id, 1.0)
+    assert store.episode(ep.id).outcome == 1.0

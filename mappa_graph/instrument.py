@@ -6,7 +6,10 @@ concurrent calls cannot mix their actions and the graph's own behaviour and outp
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +59,37 @@ def _with_handler(config: RunnableConfig | None, handler: TraceCollector, extra_
     return merged  # type: ignore[return-value]
 
 
+class _TraceWorker(ThreadPoolExecutor):
+    """One background thread that builds and stores episodes in the order their runs ended, remembering
+    each job so `flush()` can wait for them and surface a failed write instead of losing it."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1, thread_name_prefix="mappa-trace")
+        self._jobs: list[Future[Any]] = []
+        self._jobs_lock = threading.Lock()
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
+        job = super().submit(fn, *args, **kwargs)
+        with self._jobs_lock:
+            self._jobs.append(job)
+        return job
+
+    def flush(self) -> None:
+        with self._jobs_lock:
+            jobs, self._jobs = self._jobs, []
+        errors = [job.exception() for job in jobs]
+        for error in errors:
+            if error is not None:
+                raise error
+
+
 class InstrumentedGraph:
     """Behaves like the compiled graph it wraps (`invoke`, `ainvoke`, `stream`, `astream`, `batch`, `abatch`,
     and every other attribute by delegation); each call also yields an Episode, kept in `episodes` (the most
     recent `keep` of them) and written to the store when one is given.
+
+    With `background=True` (the default) episodes are built and stored on a worker thread, off the graph's
+    hot path; `episodes`, `last_episode`, `run_episode` and `flush()` wait for it, so nothing is missed.
     """
 
     def __init__(
@@ -70,6 +100,7 @@ class InstrumentedGraph:
         run: str = "default",
         agents: Mapping[str, str] | None = None,
         keep: int = 1000,
+        background: bool = True,
     ) -> None:
         _check_compiled(graph)
         nodes = graph_nodes(graph)
@@ -83,18 +114,32 @@ class InstrumentedGraph:
         self.run = run
         self.agents = dict(agents or {})
         self.keep = keep
-        self.episodes: list[Episode] = []
+        self._episodes: list[Episode] = []
+        self._episodes_lock = threading.Lock()
+        self._worker = _TraceWorker() if background else None
 
     # ---- episode plumbing -----------------------------------------------------------------------------
     def _collector(self) -> TraceCollector:
-        return TraceCollector(run=self.run, agents=self.agents, on_episode=self._record)
+        return TraceCollector(run=self.run, agents=self.agents, on_episode=self._record, executor=self._worker)
 
     def _record(self, episode: Episode) -> None:
+        with self._episodes_lock:
+            self._episodes.append(episode)
+            if len(self._episodes) > self.keep:
+                del self._episodes[: len(self._episodes) - self.keep]
         if self.store is not None:
             self.store.add_episode(episode)
-        self.episodes.append(episode)
-        if len(self.episodes) > self.keep:
-            del self.episodes[: len(self.episodes) - self.keep]
+
+    def flush(self) -> None:
+        """Wait until every finished call's Episode is built and stored; re-raises a failed store write."""
+        if self._worker is not None:
+            self._worker.flush()
+
+    @property
+    def episodes(self) -> list[Episode]:
+        self.flush()
+        with self._episodes_lock:
+            return list(self._episodes)
 
     def _config(self, config: RunnableConfig | None, task_id: str | None = None, reference: Any = None):
         collector = self._collector()
@@ -107,7 +152,8 @@ class InstrumentedGraph:
 
     @property
     def last_episode(self) -> Episode | None:
-        return self.episodes[-1] if self.episodes else None
+        episodes = self.episodes
+        return episodes[-1] if episodes else None
 
     # ---- the Runnable interface ---------------------------------------------------------------------
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
@@ -160,7 +206,10 @@ class InstrumentedGraph:
         propagates: nothing already recorded is lost.
         """
         cfg, collector = self._config(config, task_id, reference)
-        output = self.graph.invoke(input, cfg, **kwargs)
+        try:
+            output = self.graph.invoke(input, cfg, **kwargs)
+        finally:
+            collector.wait()
         return output, collector.episodes[-1]
 
     async def arun_episode(
@@ -173,7 +222,10 @@ class InstrumentedGraph:
         **kwargs: Any,
     ) -> tuple[Any, Episode]:
         cfg, collector = self._config(config, task_id, reference)
-        output = await self.graph.ainvoke(input, cfg, **kwargs)
+        try:
+            output = await self.graph.ainvoke(input, cfg, **kwargs)
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, collector.wait)
         return output, collector.episodes[-1]
 
     def __getattr__(self, name: str) -> Any:
@@ -189,9 +241,10 @@ def instrument(
     store: TraceStore | str | Path | None = None,
     run: str = "default",
     agents: Mapping[str, str] | None = None,
+    background: bool = True,
 ) -> InstrumentedGraph:
     """Wrap a compiled LangGraph app so each call records an Episode (into `store` when given: a TraceStore
     or a path to its SQLite file). `agents` maps node names to agent names when they differ."""
     if isinstance(store, (str, Path)):
         store = TraceStore(store)
-    return InstrumentedGraph(graph, store=store, run=run, agents=agents)
+    return InstrumentedGraph(graph, store=store, run=run, agents=agents, background=background)

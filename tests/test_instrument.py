@@ -82,6 +82,7 @@ def test_eight_concurrent_batch_episodes_keep_actions_apart(tmp_path) -> None:
     store = TraceStore(tmp_path / "t.db")
     app = instrument(build_graph(delay_s=0.01).compile(), store=store)
     outs = app.batch([_task(n) for n in range(8)], config={"max_concurrency": 8})
+    app.flush()
     assert [o["messages"][-1].content for o in outs] == [f"task-{n} answer: {n + 100}" for n in range(8)]
     _assert_episodes_apart(store.episodes(), range(8))
 
@@ -150,6 +151,7 @@ def test_failing_graph_still_records_its_episode(tmp_path) -> None:
     app = instrument(build_graph(coder_model=ScriptedChatModel(script=broken)).compile(), store=store)
     with pytest.raises(ValueError, match="model exploded"):
         app.invoke(_task(1))
+    app.flush()
     (ep,) = store.episodes()
     assert "model exploded" in ep.error
     assert ep.actions[0].output_text.startswith("plan for task-1")

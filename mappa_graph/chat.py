@@ -7,6 +7,7 @@ so the loss trains on the tokens that were sampled, never on a re-encoding of th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -92,12 +93,14 @@ class PolicyChatModel(BaseChatModel):
     ) -> ChatResult:
         policies = self.policies
         prompt_ids = policies.render(to_hf_messages(messages), tools=kwargs.get("tools"))
+        meta = (run_manager.metadata if run_manager is not None else None) or {}
         gen = policies.generate(
             self.agent,
             prompt_ids,
             max_new_tokens=int(kwargs.get("max_new_tokens", self.max_new_tokens)),
             temperature=float(kwargs.get("temperature", self.temperature)),
-            do_sample=bool(kwargs.get("do_sample", self.do_sample)),
+            do_sample=bool(kwargs.get("do_sample", self.do_sample)) and not meta.get("mappa_greedy", False),
+            seed=call_seed(meta, self.agent, prompt_ids),
         )
         output_ids, logprobs = gen.output_token_ids, gen.output_logprobs
         text = policies.tokenizer.decode(output_ids, skip_special_tokens=True)
@@ -107,7 +110,7 @@ class PolicyChatModel(BaseChatModel):
         message = AIMessage(content=content, tool_calls=calls, invalid_tool_calls=invalid)
         record = {
             "agent": self.agent,
-            "adapter": self.agent,
+            "adapter": policies.adapter_of[self.agent],
             "model": policies.base_name,
             "prompt_token_ids": prompt_ids,
             "output_token_ids": output_ids,
@@ -127,6 +130,16 @@ class PolicyChatModel(BaseChatModel):
         """Tools reach the chat template as OpenAI function schemas (the format HF templates take)."""
         formatted = [convert_to_openai_tool(t) for t in tools]
         return self.bind(tools=formatted, **kwargs)
+
+
+def call_seed(metadata: dict[str, Any], agent: str, prompt_ids: Sequence[int]) -> int | None:
+    """A sampling seed for one call, derived from the episode's `mappa_seed` (set by the trainer) and what
+    the call is, so rollouts are reproducible whatever order concurrent episodes reach the model in."""
+    base = metadata.get("mappa_seed")
+    if base is None:
+        return None
+    key = f"{base}|{agent}|{metadata.get('langgraph_node')}|{metadata.get('langgraph_step')}|{len(prompt_ids)}"
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") & 0x7FFFFFFF
 
 
 def _cut_at_stop(

@@ -89,15 +89,19 @@ def export_adapters(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    agents = sorted(set(nodes.values()))
+    adapters = sorted({policies.adapter_of[agent] for agent in nodes.values()})
     with policies.lock:
-        policies.model.save_pretrained(str(tmp), selected_adapters=agents)
+        policies.model.save_pretrained(str(tmp), selected_adapters=adapters)
     manifest = AdapterManifest(
         base_model=policies.base_name,
         base_model_path=policies.base_path,
         base_fingerprint=base_fingerprint(policies.model),
         nodes={
-            node: AdapterEntry(agent=agent, adapter_name=f"{agent}-v{version}", path=agent)
+            node: AdapterEntry(
+                agent=agent,
+                adapter_name=f"{policies.adapter_of[agent]}-v{version}",
+                path=policies.adapter_of[agent],
+            )
             for node, agent in nodes.items()
         },
         run=run,

@@ -41,6 +41,20 @@ class Generation(BaseModel):
     finished: bool
 
 
+@contextmanager
+def _seeded(seed: int | None, device: Any) -> Iterator[None]:
+    """Sample with a fixed seed without disturbing the global torch RNG streams."""
+    import torch
+
+    if seed is None:
+        yield
+        return
+    devices = [device.index or 0] if getattr(device, "type", "cpu") == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
 class UnknownAgentError(KeyError):
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable
         return str(self.args[0])
@@ -59,12 +73,23 @@ class AgentPolicies:
         base_path: str | None = None,
         lora: LoraSettings | None = None,
         adapters: dict[str, str] | None = None,
+        share: dict[str, str] | None = None,
     ) -> None:
         from peft import LoraConfig, get_peft_model
 
         agents = list(dict.fromkeys(agents))
         if not agents:
             raise ValueError("AgentPolicies needs at least one agent name")
+        share = dict(share or {})
+        for agent, owner in share.items():
+            if agent not in agents or owner not in agents or owner in share:
+                raise ValueError(
+                    f"share={{{agent!r}: {owner!r}}} must map an agent to another agent that owns its adapter "
+                    f"(agents: {', '.join(agents)})"
+                )
+        # agent -> the adapter it generates with and trains; shared agents train their owner's adapter
+        self.adapter_of = {agent: share.get(agent, agent) for agent in agents}
+        self.adapters = [a for a in agents if a not in share]
         self.lora = lora or LoraSettings()
         self.tokenizer = tokenizer
         self.base_name = base_name
@@ -77,9 +102,9 @@ class AgentPolicies:
             target_modules=self.lora.target_modules,
             task_type="CAUSAL_LM",
         )
-        self.model = get_peft_model(base_model, config, adapter_name=agents[0])
-        for agent in agents[1:]:
-            self.model.add_adapter(agent, config)
+        self.model = get_peft_model(base_model, config, adapter_name=self.adapters[0])
+        for adapter in self.adapters[1:]:
+            self.model.add_adapter(adapter, config)
         for agent, folder in (adapters or {}).items():
             self.load_adapter(agent, folder)
         self.lock = threading.RLock()
@@ -92,14 +117,16 @@ class AgentPolicies:
         agents: Sequence[str],
         *,
         lora: LoraSettings | None = None,
+        share: dict[str, str] | None = None,
         dtype: str | None = None,
         device: str | None = None,
     ) -> AgentPolicies:
-        """Load a base model by hub name, local path, or "tiny" (built offline) and add one adapter per agent."""
+        """Load a base model by hub name, local path, or "tiny" (built offline) and add one adapter per agent
+        (`share={"verifier": "solver"}` lets an agent use and train another's adapter)."""
         from .models import load_base_model
 
         model, tokenizer, path = load_base_model(name_or_path, dtype=dtype, device=device)
-        return cls(model, tokenizer, agents, base_name=name_or_path, base_path=path, lora=lora)
+        return cls(model, tokenizer, agents, base_name=name_or_path, base_path=path, lora=lora, share=share)
 
     # ---- agents and adapters --------------------------------------------------------------------------
     def check_agent(self, agent: str) -> str:
@@ -114,10 +141,10 @@ class AgentPolicies:
     @contextmanager
     def active(self, agent: str) -> Iterator[None]:
         """Route the model through `agent`'s adapter for the body of the block."""
-        self.check_agent(agent)
+        adapter = self.adapter_of[self.check_agent(agent)]
         with self.lock:
-            if self.model.active_adapter != agent:
-                self.model.set_adapter(agent)
+            if self.model.active_adapter != adapter:
+                self.model.set_adapter(adapter)
             yield
 
     @contextmanager
@@ -127,9 +154,9 @@ class AgentPolicies:
             yield
 
     def adapter_parameters(self, agent: str) -> dict[str, torch.nn.Parameter]:
-        """The LoRA tensors of one agent, by name: what its optimiser steps and what export saves."""
-        self.check_agent(agent)
-        marker = f".{agent}."
+        """The LoRA tensors of one agent's adapter, by name: what its optimiser steps and what export saves."""
+        adapter = self.adapter_of[self.check_agent(agent)]
+        marker = f".{adapter}."
         params = {n: p for n, p in self.model.named_parameters() if "lora_" in n and marker in n}
         if not params:
             raise RuntimeError(f"agent {agent!r} has no LoRA parameters; is target_modules right for this model?")
@@ -140,12 +167,12 @@ class AgentPolicies:
         from peft.utils import set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        self.check_agent(agent)
+        adapter = self.adapter_of[self.check_agent(agent)]
         weights = Path(folder) / "adapter_model.safetensors"
         if not weights.exists():
             raise FileNotFoundError(f"no adapter weights at {weights} (expected a PEFT adapter folder)")
         with self.lock:
-            set_peft_model_state_dict(self.model, load_file(str(weights)), adapter_name=agent)
+            set_peft_model_state_dict(self.model, load_file(str(weights)), adapter_name=adapter)
 
     def chat_model(self, agent: str, **kwargs: Any) -> PolicyChatModel:
         """A langchain-core chat model whose calls go to `agent`'s adapter (use it inside that agent's node)."""
@@ -173,6 +200,7 @@ class AgentPolicies:
         max_new_tokens: int = 64,
         temperature: float = 1.0,
         do_sample: bool = True,
+        seed: int | None = None,
     ) -> Generation:
         """Sample one completion under `agent`'s adapter, with the log-prob of each sampled token under the
         distribution it was sampled from (temperature applied, no top-k/top-p: the behaviour policy the
@@ -180,7 +208,7 @@ class AgentPolicies:
         import torch
 
         ids = torch.tensor([list(prompt_ids)], device=self.device)
-        with self.active(agent), torch.no_grad():
+        with self.active(agent), torch.no_grad(), _seeded(seed, self.device):
             out = self.model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),

@@ -185,6 +185,8 @@ class EpisodeBuilder:
             for key in ("task_id", "reference"):
                 if f"mappa_{key}" in meta:
                     fields[key] = meta[f"mappa_{key}"]
+            if "mappa_episode_metadata" in meta:
+                fields["metadata"] = dict(meta["mappa_episode_metadata"])
             self.episode = Episode(run=self.run, input=to_jsonable(inputs), started_at=at, **fields)
             self.root = run_id
             return

@@ -57,11 +57,11 @@ def build_samples(
             elif reward.score is None:
                 skipped["unscored"] += 1
             else:
-                samples.append(_sample(action, reward.score))
+                samples.append(sample_from_action(action, reward.score))
     return samples, skipped
 
 
-def _sample(action: Action, score: float) -> Sample:
+def sample_from_action(action: Action, score: float) -> Sample:
     return Sample(
         action_id=action.id,
         episode_id=action.episode_id,
@@ -99,21 +99,23 @@ class AgentOptimizers:
         import torch
 
         self.policies = policies
+        # keyed by adapter: agents that share an adapter share its optimiser
         self.optimizers: dict[str, torch.optim.Optimizer] = {
-            agent: torch.optim.AdamW(list(policies.adapter_parameters(agent).values()), lr=lr, weight_decay=weight_decay)
-            for agent in policies.agents
+            adapter: torch.optim.AdamW(
+                list(policies.adapter_parameters(adapter).values()), lr=lr, weight_decay=weight_decay
+            )
+            for adapter in policies.adapters
         }
 
     def __getitem__(self, agent: str) -> torch.optim.Optimizer:
-        self.policies.check_agent(agent)
-        return self.optimizers[agent]
+        return self.optimizers[self.policies.adapter_of[self.policies.check_agent(agent)]]
 
     def state_dict(self) -> dict[str, dict]:
-        return {agent: opt.state_dict() for agent, opt in self.optimizers.items()}
+        return {adapter: opt.state_dict() for adapter, opt in self.optimizers.items()}
 
     def load_state_dict(self, state: Mapping[str, dict]) -> None:
-        for agent, opt_state in state.items():
-            self[agent].load_state_dict(opt_state)
+        for adapter, opt_state in state.items():
+            self.optimizers[adapter].load_state_dict(opt_state)
 
 
 def policy_gradient_step(

@@ -18,9 +18,11 @@ from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import HumanMessage, SystemMessage
 from langgraph.graph import END, START, StateGraph
 
+from mappa_graph.config import TrainConfig
 from mappa_graph.judge import VerifierJudge
-from mappa_graph.sft import SFTExample
-from mappa_graph.trainer import Task
+from mappa_graph.policy import AgentPolicies, LoraSettings
+from mappa_graph.sft import SFTExample, warm_start
+from mappa_graph.trainer import Task, Trainer
 from mappa_graph.traces import Action, Episode
 
 AGENTS = ("planner", "calculator")
@@ -137,3 +139,26 @@ def process_judge() -> VerifierJudge:
 def outcome(episode: Episode) -> float:
     answer = str((episode.final_state or {}).get("answer", "")).strip()
     return 1.0 if answer == str(episode.reference["value"]) else 0.0
+
+
+def train_and_eval_tasks() -> tuple[list[Task], list[Task]]:
+    train = make_tasks(200, seed=1)
+    return train, make_tasks(60, seed=2, exclude={t.id for t in train})
+
+
+def warm_policies(base: str = "tiny", *, warm_steps: int = 400, noise: float = 0.6) -> AgentPolicies:
+    """The base warm-started on noisy traces of both agents (cached), with a fresh LoRA adapter per agent."""
+    train, _ = train_and_eval_tasks()
+    warm = warm_start(base, sft_examples(train, noise=noise, seed=3), steps=warm_steps)
+    return AgentPolicies.from_pretrained(str(warm), list(AGENTS), lora=LoraSettings(r=8, alpha=16))
+
+
+def build_trainer(config: TrainConfig, policies: AgentPolicies | None = None, **trainer_kwargs: Any) -> Trainer:
+    """The whole recipe: team graph on the policies, process judge, outcome, train and held-out tasks."""
+    policies = policies or warm_policies()
+    train, held_out = train_and_eval_tasks()
+    models = {a: policies.chat_model(a, max_new_tokens=config.max_new_tokens, temperature=config.temperature)
+              for a in AGENTS}
+    graph = build_arithmetic_graph(models).compile()
+    return Trainer(graph, policies, process_judge(), train, config, outcome=outcome, eval_tasks=held_out,
+                   **trainer_kwargs)

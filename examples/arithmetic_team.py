@@ -17,27 +17,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agents import arithmetic  # noqa: E402
-from mappa_graph import AgentPolicies, export_adapters  # noqa: E402
+from mappa_graph import export_adapters  # noqa: E402
 from mappa_graph.config import TrainConfig  # noqa: E402
 from mappa_graph.metrics import plot_rewards  # noqa: E402
-from mappa_graph.policy import LoraSettings  # noqa: E402
 from mappa_graph.rewards import RewardConfig  # noqa: E402
-from mappa_graph.sft import warm_start  # noqa: E402
-from mappa_graph.trainer import Trainer  # noqa: E402
-
-
-def build(config: TrainConfig, *, base: str = "tiny", warm_steps: int = 400, noise: float = 0.6):
-    """The team, its tasks, judge and trainer; shared by the demo, the tests and the benchmarks."""
-    train_tasks = arithmetic.make_tasks(200, seed=1)
-    eval_tasks = arithmetic.make_tasks(60, seed=2, exclude={t.id for t in train_tasks})
-    warm = warm_start(base, arithmetic.sft_examples(train_tasks, noise=noise, seed=3), steps=warm_steps)
-    policies = AgentPolicies.from_pretrained(str(warm), list(arithmetic.AGENTS), lora=LoraSettings(r=8, alpha=16))
-    models = {a: policies.chat_model(a, max_new_tokens=config.max_new_tokens, temperature=config.temperature)
-              for a in arithmetic.AGENTS}
-    graph = arithmetic.build_arithmetic_graph(models).compile()
-    trainer = Trainer(graph, policies, arithmetic.process_judge(), train_tasks, config,
-                      outcome=arithmetic.outcome, eval_tasks=eval_tasks)
-    return trainer
 
 
 def default_config(out: str, mode: str = "process", iterations: int = 40, seed: int = 0) -> TrainConfig:
@@ -58,9 +41,8 @@ def main() -> None:
     args = parser.parse_args()
 
     started = time.time()
-    trainer = build(default_config(args.out, args.mode, args.iterations, args.seed))
-    if args.resume:
-        trainer.resume()
+    trainer = arithmetic.build_trainer(default_config(args.out, args.mode, args.iterations, args.seed),
+                                       resume=args.resume)
     before = trainer.evaluate()
     print(f"held-out success before training: {before:.2f} ({len(trainer.eval_tasks)} tasks, sampled decoding)")
     trainer.train()

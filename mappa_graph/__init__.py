@@ -24,6 +24,15 @@ _LAZY = {
     "export_adapters": "mappa_graph.export",
     "AdapterManifest": "mappa_graph.export",
     "load_manifest": "mappa_graph.export",
+    "LLMJudge": "mappa_graph.llm_judge",
+    "MixJudge": "mappa_graph.judges",
+    "OutcomeJudge": "mappa_graph.judges",
+    "judge_report": "mappa_graph.judge_report",
+    "override_score": "mappa_graph.judge_report",
+    "Trainer": "mappa_graph.trainer",
+    "Task": "mappa_graph.trainer",
+    "TrainConfig": "mappa_graph.config",
+    "RewardConfig": "mappa_graph.rewards",
 }
 
 __all__ = [
@@ -33,6 +42,13 @@ __all__ = [
     "Episode",
     "InstrumentedGraph",
     "JudgeError",
+    "LLMJudge",
+    "MixJudge",
+    "OutcomeJudge",
+    "RewardConfig",
+    "Task",
+    "TrainConfig",
+    "Trainer",
     "PolicyChatModel",
     "ProcessJudge",
     "Reward",
@@ -44,8 +60,10 @@ __all__ = [
     "build_tiny_model",
     "export_adapters",
     "instrument",
+    "judge_report",
     "load_base_model",
     "load_manifest",
+    "override_score",
     "policy_gradient_step",
 ]
 

@@ -46,6 +46,8 @@ class TrainConfig(BaseModel):
     def from_file(cls, path: str | Path, **overrides: Any) -> TrainConfig:
         """Load YAML (.yaml/.yml), TOML (.toml) or JSON; keyword overrides win."""
         path = Path(path)
+        if path.suffix not in (".yaml", ".yml", ".toml", ".json"):
+            raise ValueError(f"unknown config format {path.suffix!r} for {path} (use .yaml, .toml or .json)")
         text = path.read_text()
         if path.suffix in (".yaml", ".yml"):
             import yaml
@@ -53,10 +55,8 @@ class TrainConfig(BaseModel):
             data = yaml.safe_load(text) or {}
         elif path.suffix == ".toml":
             data = tomllib.loads(text)
-        elif path.suffix == ".json":
-            data = json.loads(text)
         else:
-            raise ValueError(f"unknown config format {path.suffix!r} for {path} (use .yaml, .toml or .json)")
+            data = json.loads(text)
         return cls.model_validate({**data, **overrides})
 
 

@@ -81,7 +81,7 @@ def warm_start(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     model.eval()
     tmp = target.with_name(f".{target.name}.tmp")
     if tmp.exists():

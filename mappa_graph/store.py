@@ -172,6 +172,14 @@ class TraceStore:
             sql += f" LIMIT {int(limit)}"
         return [self._assemble(r[0]) for r in self._query(sql, params)]
 
+    def action(self, action_id: str) -> Action:
+        rows = self._query("SELECT data, episode_id FROM actions WHERE id=?", (action_id,))
+        if not rows:
+            raise KeyError(f"unknown action {action_id!r}")
+        action = Action.model_validate_json(rows[0][0])
+        action.episode_id = action.episode_id or rows[0][1]
+        return action
+
     def actions(self, *, run: str | None = None, agent: str | None = None, episode_id: str | None = None) -> list[Action]:
         sql, params = "SELECT data FROM actions WHERE 1=1", []
         for column, value in (("run", run), ("agent", agent), ("episode_id", episode_id)):
@@ -203,6 +211,21 @@ class TraceStore:
         if table not in {"episodes", "actions", "rewards"}:
             raise ValueError(f"unknown table {table!r} (tables: episodes, actions, rewards)")
         return int(self._query(f"SELECT COUNT(*) FROM {table}")[0][0])
+
+    def delete_episodes_after(self, run: str, iteration: int) -> int:
+        """Drop a run's episodes (with their actions and rewards) from iterations after `iteration`: what a
+        resumed trainer redoes. Returns how many were dropped."""
+        with self._tx():
+            ids = [
+                r[0]
+                for r in self._db.execute(
+                    "SELECT id FROM episodes WHERE run=? AND CAST(json_extract(data, '$.metadata.iteration') AS INTEGER) > ?",
+                    (run, iteration),
+                ).fetchall()
+            ]
+            for table, column in (("rewards", "episode_id"), ("actions", "episode_id"), ("episodes", "id")):
+                self._db.executemany(f"DELETE FROM {table} WHERE {column}=?", [(i,) for i in ids])
+        return len(ids)
 
     # ---- export -----------------------------------------------------------------------------------------
     def iter_records(self, *, run: str | None = None) -> Iterator[dict[str, Any]]:

@@ -110,7 +110,7 @@ def sft_examples(tasks: list[Task], *, noise: float, seed: int) -> list[SFTExamp
         expr = ref["expression"]
         plan = _corrupt_expression(expr) if rng.random() < noise else expr
         examples.append(SFTExample(messages=planner_messages(task.input["question"]), reply=plan))
-        for e in {expr, _corrupt_expression(expr)}:
+        for e in sorted({expr, _corrupt_expression(expr)}):
             value = evaluate_expression(e)
             answer = value + 1 if rng.random() < noise else value  # the calculator's slip: one too many
             examples.append(SFTExample(messages=calculator_messages(e), reply=str(answer)))

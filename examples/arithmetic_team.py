@@ -27,7 +27,7 @@ def default_config(out: str, mode: str = "process", iterations: int = 40, seed: 
     return TrainConfig(
         run_name=f"arith-{mode}", output_dir=out, iterations=iterations, tasks_per_iteration=16,
         rollouts_per_task=2, rollout_concurrency=1, seed=seed, lr=2e-3, ppo_epochs=2, max_new_tokens=6,
-        reward=RewardConfig(mode=mode), checkpoint_every=5,
+        reward=RewardConfig(mode=mode), checkpoint_every=1,
     )
 
 

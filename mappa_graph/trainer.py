@@ -309,12 +309,14 @@ class Trainer:
         path = latest_checkpoint(self.out / "checkpoints")
         if path is None:
             log.info("no checkpoint under %s: starting from iteration 0", self.out / "checkpoints")
-            return 0
-        payload = load_checkpoint(path, self.policies, self.optimizers)
-        self.iteration = int(payload["iteration"])
+            self.iteration = 0
+        else:
+            payload = load_checkpoint(path, self.policies, self.optimizers)
+            self.iteration = int(payload["iteration"])
         self.metrics.truncate_after(self.iteration)
         dropped = self.store.delete_episodes_after(self.config.run_name, self.iteration)
-        log.info("resumed from %s at iteration %d (dropped %d partial episodes)", path, self.iteration, dropped)
+        log.info("resuming at iteration %d from %s (dropped %d episodes of unfinished iterations)",
+                 self.iteration, path, dropped)
         return self.iteration
 
 

@@ -1,0 +1,129 @@
+"""The data-analysis team as a LangGraph StateGraph: planner -> coder (Python tool) -> analyst.
+
+    planner ──► coder ──(tool call)──► tools ──(error, turns left)──► coder
+                  │                       └──(ran, or out of turns)──► analyst ──► END
+                  └──(no tool call)──────────────────────────────────► analyst
+
+Each agent builds its own prompt from the shared state (its role, the question, what the team has produced so
+far), so a node's model call is exactly that agent's action: what the judge scores and the adapter trains on.
+Any langchain-core chat model serves each role: a `PolicyChatModel` (one adapter per agent), ChatOpenAI...
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from typing import Annotated, Any, TypedDict
+
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.tools import BaseTool
+from langgraph.graph import END, START, StateGraph
+from langgraph.graph.message import add_messages
+from langgraph.prebuilt import ToolNode
+
+AGENTS = ("planner", "coder", "analyst")
+
+ROLES: dict[str, str] = {
+    "planner": (
+        "You are the planner of a data-analysis team. Read the question and the table's columns and write a "
+        "short numbered plan: which columns to use and which computation answers the question."
+    ),
+    "coder": (
+        "You are the coder of a data-analysis team. The table is loaded as the pandas DataFrame `df`. Call the "
+        "python tool with code that prints exactly the numbers the question asks for. If the last run failed, "
+        "fix the code and call the tool again."
+    ),
+    "analyst": (
+        "You are the analyst of a data-analysis team. From the code output, write the final answer in exactly "
+        "the requested format, e.g. @name[value], with the rounding the question asks for."
+    ),
+}
+
+
+class AnalysisState(TypedDict, total=False):
+    question: str
+    constraints: str
+    format: str
+    columns: list[str]
+    plan: str
+    messages: Annotated[list[BaseMessage], add_messages]  # the coder's tool dialogue
+    coder_turns: Annotated[int, operator.add]
+    answer: str
+
+
+def task_brief(state: Mapping[str, Any]) -> str:
+    parts = [f"Question: {state['question']}"]
+    if state.get("constraints"):
+        parts.append(f"Constraints: {state['constraints']}")
+    if state.get("columns"):
+        parts.append(f"Columns: {', '.join(state['columns'])}")
+    if state.get("format"):
+        parts.append(f"Answer format: {state['format']}")
+    return "\n".join(parts)
+
+
+def last_tool_output(state: Mapping[str, Any]) -> ToolMessage | None:
+    for message in reversed(state.get("messages", [])):
+        if isinstance(message, ToolMessage):
+            return message
+    return None
+
+
+def tool_failed(message: ToolMessage | None) -> bool:
+    return message is not None and (message.status == "error" or message.content.startswith("error:"))
+
+
+def build_data_analysis_graph(
+    models: Mapping[str, BaseChatModel],
+    python_tool: BaseTool,
+    *,
+    max_coder_turns: int = 3,
+) -> StateGraph:
+    """The team's graph (uncompiled, so callers can add a checkpointer). `models` maps each of AGENTS to the
+    chat model that plays it."""
+    missing = [a for a in AGENTS if a not in models]
+    if missing:
+        raise ValueError(f"no chat model for agent(s) {', '.join(missing)} (team agents: {', '.join(AGENTS)})")
+    coder_model = models["coder"].bind_tools([python_tool])
+
+    def planner(state: AnalysisState) -> dict[str, Any]:
+        reply = models["planner"].invoke([SystemMessage(ROLES["planner"]), HumanMessage(task_brief(state))])
+        return {"plan": str(reply.content)}
+
+    def coder(state: AnalysisState) -> dict[str, Any]:
+        prompt = [
+            SystemMessage(ROLES["coder"]),
+            HumanMessage(f"{task_brief(state)}\nPlan:\n{state.get('plan', '')}"),
+            *state.get("messages", []),
+        ]
+        return {"messages": [coder_model.invoke(prompt)], "coder_turns": 1}
+
+    def analyst(state: AnalysisState) -> dict[str, Any]:
+        output = last_tool_output(state)
+        seen = output.content if output is not None else "(no code was run)"
+        reply = models["analyst"].invoke(
+            [SystemMessage(ROLES["analyst"]), HumanMessage(f"{task_brief(state)}\nCode output:\n{seen}")]
+        )
+        return {"answer": str(reply.content)}
+
+    def after_coder(state: AnalysisState) -> str:
+        last = state["messages"][-1]
+        return "tools" if isinstance(last, AIMessage) and last.tool_calls else "analyst"
+
+    def after_tools(state: AnalysisState) -> str:
+        if tool_failed(last_tool_output(state)) and state.get("coder_turns", 0) < max_coder_turns:
+            return "coder"
+        return "analyst"
+
+    graph = StateGraph(AnalysisState)
+    graph.add_node("planner", planner)
+    graph.add_node("coder", coder)
+    graph.add_node("tools", ToolNode([python_tool], handle_tool_errors=True))
+    graph.add_node("analyst", analyst)
+    graph.add_edge(START, "planner")
+    graph.add_edge("planner", "coder")
+    graph.add_conditional_edges("coder", after_coder, ["tools", "analyst"])
+    graph.add_conditional_edges("tools", after_tools, ["coder", "analyst"])
+    graph.add_edge("analyst", END)
+    return graph

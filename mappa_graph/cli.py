@@ -1,6 +1,9 @@
 """The `mappa` command. Each subcommand is one entry in COMMANDS: its help, its arguments, and the function
 that runs it (returns the exit status), so a new subcommand is one function pair and one line here.
 
+    mappa train agents.arithmetic:build_trainer --iterations 40 --output-dir runs/arith [--resume]
+    mappa plot runs/arith/metrics.jsonl --out rewards.png
+    mappa traces --db runs/arith/traces.db --out traces.jsonl
     mappa judge-report --db runs/traces.db [--run R] [--judge NAME] [--plot judge.png] [--json]
     mappa override --db runs/traces.db --action ID --score 0.8 --by alice --reason "the code did run"
 """
@@ -92,7 +95,83 @@ def _override(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_arguments(parser: argparse.ArgumentParser) -> None:
+    from .config import add_config_arguments
+
+    parser.add_argument("recipe", help="module:function that takes a TrainConfig and returns a Trainer "
+                                       "(e.g. agents.arithmetic:build_trainer)")
+    parser.add_argument("--config", help="YAML/TOML/JSON TrainConfig file; flags below override it")
+    parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    parser.add_argument("--export", help="write the trained adapters and manifest to this folder at the end")
+    add_config_arguments(parser)
+
+
+def _load_recipe(spec: str) -> Callable[..., object]:
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    if not attr:
+        raise CommandError(f"recipe {spec!r} must be module:function (e.g. agents.arithmetic:build_trainer)")
+    sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise CommandError(f"cannot import recipe module {module_name!r}: {exc}") from None
+    if not callable(getattr(module, attr, None)):
+        raise CommandError(f"module {module_name!r} has no function {attr!r}")
+    return getattr(module, attr)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .config import TrainConfig, config_from_args
+    from .export import export_adapters
+    from .metrics import plot_rewards
+
+    base = TrainConfig.from_file(args.config) if args.config else None
+    config = config_from_args(args, base)
+    trainer = _load_recipe(args.recipe)(config)
+    if args.resume:
+        trainer.resume()  # type: ignore[attr-defined]
+    trainer.train()  # type: ignore[attr-defined]
+    out = Path(config.output_dir)
+    print(f"metrics: {out / 'metrics.jsonl'}; plot: {plot_rewards(out / 'metrics.jsonl', out / 'rewards.png')}")
+    if args.export:
+        export_adapters(trainer.policies, args.export, run=config.run_name, iteration=trainer.iteration)  # type: ignore[attr-defined]
+        print(f"adapters and manifest: {args.export}")
+    return 0
+
+
+def _plot_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("metrics", help="a run's metrics.jsonl")
+    parser.add_argument("--out", default="rewards.png", help="PNG to write")
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from .metrics import plot_rewards
+
+    if not Path(args.metrics).exists():
+        raise CommandError(f"no metrics file at {args.metrics} (a run writes OUTPUT_DIR/metrics.jsonl)")
+    print(plot_rewards(args.metrics, args.out))
+    return 0
+
+
+def _traces_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--db", required=True, help="trace store (SQLite file)")
+    parser.add_argument("--run", help="only this run")
+    parser.add_argument("--out", required=True, help="JSONL file to write, one episode a line")
+
+
+def _traces(args: argparse.Namespace) -> int:
+    with _open_store(args.db) as store:
+        n = store.export_jsonl(args.out, run=args.run)
+    print(f"wrote {n} episodes to {args.out}")
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
+    "train": Command("run MAPPA training from a recipe", _train_arguments, _train),
+    "plot": Command("draw reward curves per agent from a run's metrics.jsonl", _plot_arguments, _plot),
+    "traces": Command("export stored episodes, actions and rewards to JSONL", _traces_arguments, _traces),
     "judge-report": Command("judge quality over stored episodes: AUROC, per-agent scores, bias probes",
                             _report_arguments, _report),
     "override": Command("record a human correction of one action's score", _override_arguments, _override),

@@ -42,6 +42,7 @@ ROLES: dict[str, str] = {
 
 
 class AnalysisState(TypedDict, total=False):
+    table_path: str
     question: str
     constraints: str
     format: str
@@ -74,6 +75,24 @@ def tool_failed(message: ToolMessage | None) -> bool:
     return message is not None and (message.status == "error" or message.content.startswith("error:"))
 
 
+def planner_prompt(state: Mapping[str, Any]) -> list[BaseMessage]:
+    return [SystemMessage(ROLES["planner"]), HumanMessage(task_brief(state))]
+
+
+def coder_prompt(state: Mapping[str, Any]) -> list[BaseMessage]:
+    return [
+        SystemMessage(ROLES["coder"]),
+        HumanMessage(f"{task_brief(state)}\nPlan:\n{state.get('plan', '')}"),
+        *state.get("messages", []),
+    ]
+
+
+def analyst_prompt(state: Mapping[str, Any]) -> list[BaseMessage]:
+    output = last_tool_output(state)
+    seen = output.content if output is not None else "(no code was run)"
+    return [SystemMessage(ROLES["analyst"]), HumanMessage(f"{task_brief(state)}\nCode output:\n{seen}")]
+
+
 def build_data_analysis_graph(
     models: Mapping[str, BaseChatModel],
     python_tool: BaseTool,
@@ -88,24 +107,13 @@ def build_data_analysis_graph(
     coder_model = models["coder"].bind_tools([python_tool])
 
     def planner(state: AnalysisState) -> dict[str, Any]:
-        reply = models["planner"].invoke([SystemMessage(ROLES["planner"]), HumanMessage(task_brief(state))])
-        return {"plan": str(reply.content)}
+        return {"plan": str(models["planner"].invoke(planner_prompt(state)).content)}
 
     def coder(state: AnalysisState) -> dict[str, Any]:
-        prompt = [
-            SystemMessage(ROLES["coder"]),
-            HumanMessage(f"{task_brief(state)}\nPlan:\n{state.get('plan', '')}"),
-            *state.get("messages", []),
-        ]
-        return {"messages": [coder_model.invoke(prompt)], "coder_turns": 1}
+        return {"messages": [coder_model.invoke(coder_prompt(state))], "coder_turns": 1}
 
     def analyst(state: AnalysisState) -> dict[str, Any]:
-        output = last_tool_output(state)
-        seen = output.content if output is not None else "(no code was run)"
-        reply = models["analyst"].invoke(
-            [SystemMessage(ROLES["analyst"]), HumanMessage(f"{task_brief(state)}\nCode output:\n{seen}")]
-        )
-        return {"answer": str(reply.content)}
+        return {"answer": str(models["analyst"].invoke(analyst_prompt(state)).content)}
 
     def after_coder(state: AnalysisState) -> str:
         last = state["messages"][-1]
@@ -127,3 +135,35 @@ def build_data_analysis_graph(
     graph.add_conditional_edges("tools", after_tools, ["coder", "analyst"])
     graph.add_edge("analyst", END)
     return graph
+
+
+def make_table_tool(sandbox: Any, *, name: str = "python", cache: bool = True) -> BaseTool:
+    """The coder's Python tool: runs code in `sandbox` on the current task's table (`table_path` in the graph
+    state, injected by ToolNode), so one graph serves every task. Runs are deterministic for a given (code,
+    table), so results are memoised: a training run repeats the same code often, and each sandbox start costs
+    an interpreter and a pandas import."""
+    from typing import Annotated as A
+
+    from langchain_core.tools import StructuredTool
+    from langgraph.prebuilt import InjectedState
+    from pydantic import BaseModel, Field
+
+    memo: dict[tuple[str, str | None], str] = {}
+
+    class PythonInput(BaseModel):
+        code: str = Field(description="Python source; the table is the pandas DataFrame `df`; print() results")
+        state: A[dict, InjectedState]
+
+    def run(code: str, state: dict) -> str:
+        key = (code, state.get("table_path"))
+        if cache and key in memo:
+            return memo[key]
+        result = sandbox.run(code, table_path=state.get("table_path")).as_text(2000)
+        if cache:
+            memo[key] = result
+        return result
+
+    return StructuredTool.from_function(
+        func=run, name=name, args_schema=PythonInput,
+        description="Run Python code on the task's table (`df`, with pd, np, plt imported) and get what it printed.",
+    )

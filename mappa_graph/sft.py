@@ -27,6 +27,7 @@ class SFTExample(BaseModel):
 
     messages: list[dict]
     reply: str
+    tools: list[dict] | None = None
 
 
 def warm_start(
@@ -55,7 +56,8 @@ def warm_start(
     encoded = []
     eos = tokenizer.eos_token or ""
     for ex in examples:
-        prompt_text = tokenizer.apply_chat_template(ex.messages, tokenize=False, add_generation_prompt=True)
+        prompt_text = tokenizer.apply_chat_template(ex.messages, tools=ex.tools, tokenize=False,
+                                                    add_generation_prompt=True)
         prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
         reply = tokenizer(ex.reply + eos, add_special_tokens=False)["input_ids"]
         encoded.append((prompt, reply))

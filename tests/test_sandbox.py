@@ -4,6 +4,7 @@ a clear error and leaves the parent (this pytest process) working."""
 from __future__ import annotations
 
 import dis
+import os
 import socket
 import types
 from collections.abc import Iterator
@@ -56,6 +57,13 @@ def test_each_run_gets_a_fresh_work_folder(sandbox: PythonSandbox) -> None:
     assert first.workdir != second.workdir
     assert first.files == [str(Path(first.workdir) / "notes.txt"), str(Path(first.workdir) / "sub" / "a.csv")]
     assert second.stdout == "[]\n"
+
+
+def test_given_work_folder_is_used(sandbox: PythonSandbox, tmp_path: Path) -> None:
+    folder = tmp_path / "mine"
+    result = sandbox.run("import os\nopen('out.txt', 'w').write(os.getcwd())", workdir=folder)
+    assert result.ok, result.error
+    assert result.workdir == str(folder.resolve()) and (folder / "out.txt").read_text() == str(folder.resolve())
 
 
 def test_df_is_loaded_from_a_real_table(sandbox: PythonSandbox, table: Path) -> None:
@@ -148,45 +156,89 @@ def test_audit_hook_looks_nothing_up_at_call_time() -> None:
         assert not code.co_freevars
 
 
+def test_bootstrap_helpers() -> None:
+    """The parts of the child that only run for some users: the task count behind RLIMIT_NPROC (non-root) and
+    the read roots, which must not contain the repo even though the venv lives inside it."""
+    namespace: dict[str, object] = {"__name__": "bootstrap_under_test"}
+    exec(compile(_BOOTSTRAP.rpartition("main(CONFIG)")[0], "<mappa-sandbox>", "exec"), namespace)
+    assert namespace["user_tasks"]() >= 1  # type: ignore[operator]
+    roots = namespace["read_roots"]({"private_paths": [str(REPO)]})  # type: ignore[operator]
+    assert roots and not any(str(REPO / "pyproject.toml").startswith(root) for root in roots)
+    assert any(root.rstrip("/").endswith("site-packages") for root in roots)
+
+
 NETWORK = "blocked: network access is not allowed in the sandbox"
 PROCESS = "blocked: starting processes is not allowed in the sandbox"
 READ = "blocked: reading"
 WRITE = "blocked: writing"
 
-# (id, code with {port} {project} {outside} {victim} {table} placeholders, expected text in the error)
+NATIVE = """import glob, importlib.machinery, importlib.util, os, shutil, sysconfig
+shutil.copy(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "lib-dynload", "_bisect*.so"))[0], "own.so")
+loader = importlib.machinery.ExtensionFileLoader("_bisect", "own.so")
+importlib.util.module_from_spec(importlib.util.spec_from_loader("_bisect", loader))"""
+REWIRE = """try:
+    open({project!r})
+except PermissionError as exc:
+    tb = exc.__traceback__
+    while tb.tb_next:
+        tb = tb.tb_next
+    frame = tb.tb_frame
+    while frame.f_code.co_name != "hook":
+        frame = frame.f_back
+    check = frame.f_locals["_read"]
+    check.__defaults__ = tuple("/" if d == ("/",) else d for d in check.__defaults__)"""
+DEVICE = """import importlib.util, os, stat
+posix = importlib.util.module_from_spec(importlib.util.find_spec("posix"))  # a fresh posix: the real mknod
+posix.mknod("disk", stat.S_IFBLK | 0o600, os.makedev(8, 0))
+open("disk", "rb").read(512)"""
+
+
+def case(name: str, code: str, expected: str, marks: pytest.MarkDecorator | tuple[()] = ()) -> object:
+    return pytest.param(code, expected, id=name, marks=marks)
+
+
+# Code with {port} {project} {project_dir} {outside} {victim} {table} placeholders, and the text the error
+# must contain.
 ESCAPES = [
-    ("socket-localhost", "import socket\ns = socket.socket()\ns.connect(('127.0.0.1', {port}))", NETWORK),
-    ("socket-external", "import socket\nsocket.create_connection(('example.com', 80), timeout=2)", NETWORK),
-    ("urllib", "import urllib.request\nurllib.request.urlopen('http://example.com', timeout=2)", NETWORK),
-    ("write-tmp", "open({outside!r}, 'w').write('escaped')", WRITE),
-    ("write-through-table-link", "open({table!r}, 'a').write('x')", WRITE),
-    ("read-project-file", "print(open({project!r}).read())", READ),
-    ("list-project-folder", "import os\nprint(os.listdir({project_dir!r}))", READ),
-    ("read-parent-environ", "import os\nprint(open(f'/proc/{{os.getppid()}}/environ').read())", READ),
-    ("rebind-realpath", "import os, posixpath\nos.path.realpath = posixpath.realpath = lambda p: '.'\n"
-                        "print(open({project!r}).read())", READ),
-    ("symlink-out", "import os\nos.symlink({project!r}, 'link.toml')", WRITE),
-    ("hardlink-out", "import os\nos.link({project!r}, 'link.toml')", WRITE),
-    ("delete-outside", "import os\nos.remove({victim!r})", WRITE),
-    ("os-system", "import os\nos.system('touch {outside}')", PROCESS),
-    ("subprocess-run", "import subprocess\nsubprocess.run(['touch', {outside!r}])", PROCESS),
-    ("posixsubprocess", "import _posixsubprocess\n_posixsubprocess.fork_exec()", PROCESS),
-    ("multiprocessing", "import multiprocessing\nmultiprocessing.Process(target=print).start()", PROCESS),
-    ("fork-bomb", "import os\nwhile True:\n    os.fork()", PROCESS),
-    ("kill-parent", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", "signalling other processes"),
-    ("infinite-loop", "while True:\n    pass", "CPU time limit exceeded"),
-    ("sleep-forever", "import time\ntime.sleep(60)", "timed out after 5 s wall time"),
-    ("bytearray-10gb", "x = bytearray(10 * 1024**3)", "memory limit of 512 MB exceeded"),
-    ("numpy-10gb", "a = np.zeros(10 * 1024**3, dtype=np.uint8)\na.fill(1)", "memory limit of 512 MB exceeded"),
-    ("ctypes", "import ctypes\nctypes.CDLL(None)", "blocked: ctypes is not allowed in the sandbox"),
-    ("_ctypes", "import _ctypes", "blocked: importing _ctypes is not allowed"),
-    ("settrace", "import sys\nsys.settrace(lambda *a: None)", "blocked: tracing is not allowed"),
-    ("raise-rlimit", "import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))", "blocked: changing resource"),
-    ("sqlite-outside", "import sqlite3\nsqlite3.connect({outside!r})", "blocked: importing sqlite3"),
+    case("socket-localhost", "import socket\ns = socket.socket()\ns.connect(('127.0.0.1', {port}))", NETWORK),
+    case("socket-external", "import socket\nsocket.create_connection(('example.com', 80), timeout=2)", NETWORK),
+    case("urllib", "import urllib.request\nurllib.request.urlopen('http://example.com', timeout=2)", NETWORK),
+    case("write-tmp", "open({outside!r}, 'w').write('escaped')", WRITE),
+    case("write-through-table-link", "open({table!r}, 'a').write('x')", WRITE),
+    case("read-project-file", "print(open({project!r}).read())", READ),
+    case("list-project-folder", "import os\nprint(os.listdir({project_dir!r}))", READ),
+    case("read-parent-environ", "import os\nprint(open(f'/proc/{{os.getppid()}}/environ').read())", READ),
+    case("rebind-realpath", "import os, posixpath\nos.path.realpath = posixpath.realpath = lambda p: '.'\n"
+         "print(open({project!r}).read())", READ),
+    case("symlink-out", "import os\nos.symlink({project!r}, 'link.toml')", WRITE),
+    case("hardlink-out", "import os\nos.link({project!r}, 'link.toml')", WRITE),
+    case("delete-outside", "import os\nos.remove({victim!r})", WRITE),
+    case("os-system", "import os\nos.system('touch {outside}')", PROCESS),
+    case("subprocess-run", "import subprocess\nsubprocess.run(['touch', {outside!r}])", PROCESS),
+    case("posixsubprocess", "import _posixsubprocess\n_posixsubprocess.fork_exec()", PROCESS),
+    case("multiprocessing", "import multiprocessing\nmultiprocessing.Process(target=print).start()", PROCESS),
+    case("fork-bomb", "import os\nwhile True:\n    os.fork()", PROCESS),
+    case("kill-parent", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", "signalling other processes"),
+    case("infinite-loop", "while True:\n    pass", "CPU time limit exceeded"),
+    case("sleep-forever", "import time\ntime.sleep(60)", "timed out after 5 s wall time"),
+    case("bytearray-10gb", "x = bytearray(10 * 1024**3)", "memory limit of 512 MB exceeded"),
+    case("numpy-10gb", "a = np.zeros(10 * 1024**3, dtype=np.uint8)\na.fill(1)", "memory limit of 512 MB exceeded"),
+    case("ctypes", "import ctypes\nctypes.CDLL(None)", "blocked: ctypes is not allowed in the sandbox"),
+    case("_ctypes", "import _ctypes", "blocked: importing _ctypes is not allowed"),
+    case("settrace", "import sys\nsys.settrace(lambda *a: None)", "blocked: tracing is not allowed"),
+    case("raise-rlimit", "import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))",
+         "blocked: changing resource limits"),
+    case("sqlite-outside", "import sqlite3\nsqlite3.connect({outside!r})", "blocked: importing sqlite3"),
+    case("subinterpreter", "import _xxsubinterpreters", "blocked: importing _xxsubinterpreters"),
+    case("gc-walk", "import gc\nprint(len(gc.get_objects()))", "blocked: walking the interpreter's objects"),
+    case("native-code-from-work-folder", NATIVE, "blocked: loading native code"),
+    case("rewire-the-hook", REWIRE, "blocked: changing the sandbox's own functions"),
+    case("device-node", DEVICE, "blocked: opening the device",
+         marks=pytest.mark.skipif(os.geteuid() != 0, reason="only root can make device nodes")),
 ]
 
 
-@pytest.mark.parametrize(("code", "expected"), [pytest.param(c, e, id=i) for i, c, e in ESCAPES])
+@pytest.mark.parametrize(("code", "expected"), ESCAPES)
 def test_escape_is_blocked(
     code: str, expected: str, sandbox: PythonSandbox, table: Path, listener: socket.socket, tmp_path: Path
 ) -> None:

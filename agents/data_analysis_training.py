@@ -1,0 +1,147 @@
+"""Training recipe for the data-analysis team: tasks, warm-start traces, the process judge and the outcome.
+
+The judge scores each agent's own step with the execution feedback, as MAPPA's coach does: the planner by
+whether its plan names the columns the question is about, the coder by whether its code ran and printed the
+value the task needs, the analyst by the answer's format and correctness. The outcome is the final answer's
+correctness under DABench's rounding rules.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+from typing import Any
+
+from langchain_core.messages import AIMessage, ToolMessage
+from langchain_core.utils.function_calling import convert_to_openai_tool
+
+from agents.data_analysis import analyst_prompt, coder_prompt, planner_prompt
+from mappa_graph.chat import to_hf_messages
+from mappa_graph.judge import VerifierJudge
+from mappa_graph.sft import SFTExample
+from mappa_graph.trainer import Task
+from mappa_graph.traces import Action, Episode
+from tools.dabench import DABenchTask, check_answer, format_score
+from tools.dabench_templates import code_for, task_columns
+
+MAX_COLUMNS = 12
+
+
+def columns_of(task: DABenchTask) -> list[str]:
+    import pandas as pd
+
+    try:
+        cols = list(pd.read_csv(task.table_path, nrows=0).columns)
+    except UnicodeDecodeError:
+        cols = list(pd.read_csv(task.table_path, nrows=0, encoding="latin-1").columns)
+    named = [c for c in cols if c in task.question]
+    return (named + [c for c in cols if c not in named])[:MAX_COLUMNS]
+
+
+def to_task(task: DABenchTask) -> Task:
+    """A DABench task as a Trainer task: the graph's input state and the labelled answers as reference."""
+    state = {"table_path": str(task.table_path), "question": task.question, "constraints": task.constraints,
+             "format": task.format, "columns": columns_of(task)}
+    reference = {"id": task.id, "answers": [list(a) for a in task.answers], "format": task.format,
+                 "columns": [c for c in state["columns"] if c in task.question]}
+    return Task(id=str(task.id), input=state, reference=reference)
+
+
+def _answers(reference: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(str(n), str(v)) for n, v in reference["answers"]]
+
+
+def _score_step(action: Action, episode: Episode, reference: Any) -> float | tuple[float, str] | None:
+    if action.kind != "llm":
+        return None
+    if action.agent == "planner":
+        wanted = reference.get("columns") or []
+        if not wanted:
+            return None
+        hit = sum(1 for c in wanted if c in action.output_text)
+        return hit / len(wanted), f"plan names {hit}/{len(wanted)} of the question's columns"
+    if action.agent == "coder":
+        if not action.tool_calls:
+            return 0.0, "no code was run"
+        if not action.tool_results:
+            return 0.1, "the tool call never ran"
+        out = action.tool_results[-1].output
+        if out.startswith("error:") or action.tool_results[-1].error:
+            return 0.2, "the code failed"
+        values = [v for _, v in _answers(reference)]
+        if values and all(v in out for v in values):
+            return 1.0, "the code printed the needed value"
+        return 0.6, "the code ran but did not print the needed value"
+    if action.agent == "analyst":
+        answers = _answers(reference)
+        if check_answer(answers, action.output_text, reference["format"]).correct:
+            return 1.0, "correct answer"
+        return 0.5 * format_score(action.output_text, answers), "wrong answer (partial credit for format)"
+    return None
+
+
+def process_judge() -> VerifierJudge:
+    return VerifierJudge(_score_step, name="data-analysis-process")
+
+
+def outcome(episode: Episode) -> float:
+    answer = str((episode.final_state or {}).get("answer", ""))
+    return 1.0 if check_answer(_answers(episode.reference), answer, episode.reference["format"]).correct else 0.0
+
+
+@functools.lru_cache(maxsize=64)
+def _load_table(path: str):
+    import pandas as pd
+
+    try:
+        return pd.read_csv(path)
+    except UnicodeDecodeError:
+        return pd.read_csv(path, encoding="latin-1")
+
+
+def _run_trusted(code: str, task: DABenchTask) -> str:
+    """Run one of our own template lines in-process (it is not agent code, so it needs no sandbox; one
+    sandbox start per warm-start example would cost minutes)."""
+    import contextlib
+    import io
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        exec(code, {"df": _load_table(str(task.table_path))})  # noqa: S102 - trusted template code from code_for()
+    return buffer.getvalue().rstrip() or "(no output: print() the values you need)"
+
+
+def warm_start_examples(tasks: list[DABenchTask], python_tool: Any, *, noise: float, seed: int) -> list[SFTExample]:
+    """Synthetic traces of all three agents on templated tasks, built with the graph's own prompt builders,
+    so the warm start sees exactly the prompts rollouts will. A `noise` share of each agent's replies carries
+    a typical slip (a wrong column, code that prints nothing useful, an answer without the format)."""
+    rng = random.Random(seed)
+    tool_schema = [convert_to_openai_tool(python_tool)]
+    examples = []
+    for task in tasks:
+        t = to_task(task)
+        state = dict(t.input)
+        cols = task_columns(task)
+        kind = task.concepts[0]
+        slip = rng.random() < noise
+        plan_cols = cols if not slip else [rng.choice(state["columns"])]
+        plan = f"1. Use {' and '.join(plan_cols)}. 2. Compute the {kind}."
+        examples.append(SFTExample(messages=to_hf_messages(planner_prompt(state)), reply=plan))
+        state["plan"] = plan
+        threshold = None
+        if kind == "count":
+            threshold = float(task.question.rsplit(" ", 1)[1].rstrip("?"))
+        code = code_for(kind, cols, threshold) if rng.random() >= noise else f"print(df['{cols[0]}'].head())"
+        call = {"name": python_tool.name, "arguments": {"code": code}}
+        examples.append(SFTExample(messages=to_hf_messages(coder_prompt(state)), tools=tool_schema,
+                                   reply=f"<tool_call>{json.dumps(call)}</tool_call>"))
+        output = _run_trusted(code, task)
+        state["messages"] = [AIMessage(content="", tool_calls=[{"name": python_tool.name, "args": {"code": code},
+                                                                 "id": "call_0"}]),
+                             ToolMessage(content=output, tool_call_id="call_0", name=python_tool.name)]
+        field, value = task.answers[0]
+        printed = output.strip().splitlines()[-1] if output.strip() else value
+        reply = f"@{field}[{printed}]" if rng.random() >= noise else printed
+        examples.append(SFTExample(messages=to_hf_messages(analyst_prompt(state)), reply=reply))
+    return examples

@@ -1,0 +1,98 @@
+"""Templated DABench-style questions over the real DABench tables, with answers computed by pandas.
+
+A tiny CPU model cannot write pandas for real DABench questions, so the CPU default trains on these: the
+same tables, the same `@name[value]` answer format and rounding, three question shapes (a column mean, a
+filter-and-count, a correlation), each answerable by one short line of code.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import pandas as pd
+
+from .dabench import DABenchTask, dabench_dir
+
+_IDENT = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,15}$")
+
+
+def numeric_columns(table: Path, *, max_rows: int = 100_000) -> list[str]:
+    """Plainly named numeric columns with enough distinct values to ask about."""
+    try:
+        df = pd.read_csv(table, nrows=max_rows)
+    except (UnicodeDecodeError, pd.errors.ParserError):
+        df = pd.read_csv(table, nrows=max_rows, encoding="latin-1")
+    cols = []
+    for col in df.columns:
+        if _IDENT.match(str(col)) and pd.api.types.is_numeric_dtype(df[col]) and df[col].nunique() > 3:
+            cols.append(str(col))
+    return cols
+
+
+def code_for(kind: str, columns: list[str], threshold: float | None = None) -> str:
+    """The one line that answers a templated question (what the warm start teaches the coder)."""
+    if kind == "mean":
+        return f"print(round(df['{columns[0]}'].mean(), 2))"
+    if kind == "count":
+        return f"print(int((df['{columns[0]}'] > {threshold:g}).sum()))"
+    return f"print(round(df['{columns[0]}'].corr(df['{columns[1]}']), 2))"
+
+
+def templated_tasks(n: int, *, seed: int, tables: list[str] | None = None, start_id: int = 100_000) -> list[DABenchTask]:
+    """n distinct templated tasks; ids start at `start_id` so they never collide with real DABench ids."""
+    folder = dabench_dir()
+    rng = random.Random(seed)
+    files = sorted(tables or [p.name for p in (folder / "tables").glob("*.csv")])
+    frames: dict[str, tuple[pd.DataFrame, list[str]]] = {}
+    for name in files:
+        cols = numeric_columns(folder / "tables" / name)
+        if cols:
+            df = pd.read_csv(folder / "tables" / name, encoding_errors="replace")
+            frames[name] = (df, cols)
+    if not frames:
+        raise ValueError(f"no table under {folder / 'tables'} has plainly named numeric columns")
+    tasks: list[DABenchTask] = []
+    seen: set[tuple] = set()
+    attempts = 0
+    while len(tasks) < n and attempts < 50 * n:
+        attempts += 1
+        name = rng.choice(sorted(frames))
+        df, cols = frames[name]
+        kind = rng.choice(["mean", "count", "corr"] if len(cols) > 1 else ["mean", "count"])
+        if kind == "corr":
+            a, b = rng.sample(cols, 2)
+            key = (name, kind, a, b)
+            value = df[a].corr(df[b])
+            question = f"Calculate the Pearson correlation between {a} and {b}."
+            fmt, field, shown = "@correlation[r_value] rounded to two decimals.", "correlation", f"{value:.2f}"
+        elif kind == "mean":
+            a = rng.choice(cols)
+            key = (name, kind, a)
+            value = df[a].mean()
+            question = f"Calculate the mean of {a}."
+            fmt, field, shown = f"@mean_{a}[value] rounded to two decimals.", f"mean_{a}", f"{value:.2f}"
+        else:
+            a = rng.choice(cols)
+            threshold = float(df[a].median())
+            threshold = round(threshold, 2)
+            key = (name, kind, a, threshold)
+            value = int((df[a] > threshold).sum())
+            question = f"How many rows have {a} greater than {threshold:g}?"
+            fmt, field, shown = "@count[value] as an integer.", "count", str(value)
+        if key in seen or pd.isna(value):
+            continue
+        seen.add(key)
+        tasks.append(DABenchTask(
+            id=start_id + len(tasks), question=question, concepts=[kind], constraints="", format=fmt,
+            file_name=name, level="easy", answers=[(field, shown)], data_dir=folder,
+        ))
+    return tasks
+
+
+def task_columns(task: DABenchTask) -> list[str]:
+    """The columns a templated question names, in order (for the warm start and the planner's judge)."""
+    words = re.findall(r"[A-Za-z][A-Za-z0-9_]*", task.question)
+    cols = numeric_columns(task.table_path)
+    return [w for w in words if w in cols]

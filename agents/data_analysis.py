@@ -23,6 +23,7 @@ from langgraph.graph.message import add_messages
 from langgraph.prebuilt import ToolNode
 
 AGENTS = ("planner", "coder", "analyst")
+ANALYST_OUTPUT_CHARS = 400  # the analyst needs the printed values, not pages of a DataFrame
 
 ROLES: dict[str, str] = {
     "planner": (
@@ -89,7 +90,7 @@ def coder_prompt(state: Mapping[str, Any]) -> list[BaseMessage]:
 
 def analyst_prompt(state: Mapping[str, Any]) -> list[BaseMessage]:
     output = last_tool_output(state)
-    seen = output.content if output is not None else "(no code was run)"
+    seen = str(output.content)[:ANALYST_OUTPUT_CHARS] if output is not None else "(no code was run)"
     return [SystemMessage(ROLES["analyst"]), HumanMessage(f"{task_brief(state)}\nCode output:\n{seen}")]
 
 

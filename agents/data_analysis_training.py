@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import re
 from typing import Any
 
 from langchain_core.messages import AIMessage, ToolMessage
@@ -25,7 +26,7 @@ from mappa_graph.traces import Action, Episode
 from tools.dabench import DABenchTask, check_answer, format_score
 from tools.dabench_templates import code_for, task_columns
 
-MAX_COLUMNS = 12
+MAX_COLUMNS = 8
 
 
 def columns_of(task: DABenchTask) -> list[str]:
@@ -35,8 +36,14 @@ def columns_of(task: DABenchTask) -> list[str]:
         cols = list(pd.read_csv(task.table_path, nrows=0).columns)
     except UnicodeDecodeError:
         cols = list(pd.read_csv(task.table_path, nrows=0, encoding="latin-1").columns)
-    named = [c for c in cols if c in task.question]
+    named = [c for c in cols if mentions(task.question, c)]
     return (named + [c for c in cols if c not in named])[:MAX_COLUMNS]
+
+
+def mentions(text: str, column: str) -> bool:
+    """Whether `text` names `column` as a word, case-insensitively ("fare" names Fare; "passengers" does not
+    name Age)."""
+    return re.search(rf"(?<![A-Za-z0-9_]){re.escape(column)}(?![A-Za-z0-9_])", text, re.IGNORECASE) is not None
 
 
 def to_task(task: DABenchTask) -> Task:
@@ -44,7 +51,7 @@ def to_task(task: DABenchTask) -> Task:
     state = {"table_path": str(task.table_path), "question": task.question, "constraints": task.constraints,
              "format": task.format, "columns": columns_of(task)}
     reference = {"id": task.id, "answers": [list(a) for a in task.answers], "format": task.format,
-                 "columns": [c for c in state["columns"] if c in task.question]}
+                 "columns": [c for c in state["columns"] if mentions(task.question, c)]}
     return Task(id=str(task.id), input=state, reference=reference)
 
 
@@ -59,7 +66,7 @@ def _score_step(action: Action, episode: Episode, reference: Any) -> float | tup
         wanted = reference.get("columns") or []
         if not wanted:
             return None
-        hit = sum(1 for c in wanted if c in action.output_text)
+        hit = sum(1 for c in wanted if mentions(action.output_text, c))
         return hit / len(wanted), f"plan names {hit}/{len(wanted)} of the question's columns"
     if action.agent == "coder":
         if not action.tool_calls:

@@ -58,7 +58,7 @@ class VerifierJudge:
     """A programmatic judge: `fn(action, episode, reference)` returns a score in [0, 1], or None to abstain,
     optionally as `(score, rationale)`. The episode's `reference` is passed as the third argument.
 
-    An exception from `fn` on one action becomes an unscored Reward for that action only; the other actions
+    Only actions of `kinds` are judged (default: model calls, the trainable ones). An exception from `fn` on one action becomes an unscored Reward for that action only; the other actions
     and the episode are untouched.
     """
 
@@ -68,6 +68,7 @@ class VerifierJudge:
         *,
         name: str | None = None,
         agents: Sequence[str] | None = None,
+        kinds: Sequence[str] = ("llm",),
         strict: bool = False,
     ) -> None:
         if not callable(fn):
@@ -75,6 +76,7 @@ class VerifierJudge:
         self.fn = fn
         self.name = name or f"verifier:{getattr(fn, '__name__', 'fn')}"
         self.agents = set(agents) if agents is not None else None
+        self.kinds = set(kinds)  # node turns (a ToolNode) show in the trace but are not trained: not judged
         self.strict = strict
 
     def score(self, episode: Episode, actions: Sequence[Action] | None = None) -> list[Reward]:
@@ -82,6 +84,8 @@ class VerifierJudge:
         rewards: list[Reward] = []
         for action in chosen:
             if self.agents is not None and action.agent not in self.agents:
+                continue
+            if action.kind not in self.kinds:
                 continue
             rewards.append(self._score_one(action, episode))
         return rewards

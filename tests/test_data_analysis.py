@@ -1,0 +1,75 @@
+"""The data-analysis team: graph structure, and one traced episode through the real sandbox and judge."""
+
+from __future__ import annotations
+
+import pytest
+from langchain_core.messages import AIMessage, ToolMessage
+
+from agents import data_analysis as team
+from mappa_graph import instrument
+from tests.fakes import ScriptedChatModel
+
+
+@pytest.fixture()
+def task(dabench_dir):
+    from agents.data_analysis_training import to_task
+    from tools.dabench import load_dabench
+
+    return to_task(load_dabench(ids=[0])[0])  # mean fare of test_ave.csv: @mean_fare[34.65]
+
+
+def _coder_script(messages):
+    tool_messages = [m for m in messages if isinstance(m, ToolMessage)]
+    code = "print(df['Fare'].mean(" if not tool_messages else "print(round(df['Fare'].mean(), 2))"
+    return AIMessage(content="", tool_calls=[{"name": "python", "args": {"code": code}, "id": f"c{len(tool_messages)}"}])
+
+
+def _models():
+    return {
+        "planner": ScriptedChatModel(script=lambda m: AIMessage(content="1. Use Fare. 2. Compute the mean.")),
+        "coder": ScriptedChatModel(script=_coder_script),
+        "analyst": ScriptedChatModel(script=lambda m: AIMessage(
+            content=f"@mean_fare[{m[-1].content.split('Code output:')[1].strip()}]")),
+    }
+
+
+def test_graph_structure_has_the_retry_edge() -> None:
+    from tools.sandbox import PythonSandbox
+
+    graph = team.build_data_analysis_graph(_models(), team.make_table_tool(PythonSandbox())).compile()
+    drawn = graph.get_graph()
+    assert set(graph.nodes) - {"__start__"} == {"planner", "coder", "tools", "analyst"}
+    edges = {(e.source, e.target, e.conditional) for e in drawn.edges}
+    assert ("__start__", "planner", False) in edges and ("planner", "coder", False) in edges
+    assert {("coder", "tools", True), ("coder", "analyst", True), ("tools", "coder", True),
+            ("tools", "analyst", True), ("analyst", "__end__", False)} <= edges
+
+
+def test_missing_agent_model_is_named() -> None:
+    from tools.sandbox import PythonSandbox
+
+    with pytest.raises(ValueError, match="no chat model for agent.*analyst"):
+        team.build_data_analysis_graph({"planner": None, "coder": None}, team.make_table_tool(PythonSandbox()))
+
+
+def test_one_traced_episode_with_a_failing_then_fixed_tool_call(task, tmp_path) -> None:
+    from agents.data_analysis_training import outcome, process_judge
+    from tools.sandbox import PythonSandbox
+
+    tool = team.make_table_tool(PythonSandbox(root=tmp_path, wall_seconds=20))
+    app = instrument(team.build_data_analysis_graph(_models(), tool).compile())
+    out, episode = app.run_episode(task.input, task_id=task.id, reference=task.reference)
+    assert out["answer"] == "@mean_fare[34.65]"
+    assert [(a.node, a.kind) for a in episode.actions] == [
+        ("planner", "llm"), ("coder", "llm"), ("tools", "node"), ("coder", "llm"), ("tools", "node"), ("analyst", "llm")
+    ]
+    first, second = episode.actions[1], episode.actions[3]
+    assert first.tool_results[0].output.startswith("error:") and "SyntaxError" in first.tool_results[0].output
+    assert second.tool_results[0].output.strip() == "34.65"
+    rewards = {r.action_id: r for r in process_judge().score(episode)}
+    assert rewards[episode.actions[0].id].score == 1.0  # the plan names Fare
+    assert rewards[first.id].score == 0.2 and rewards[second.id].score == 1.0
+    assert rewards[episode.actions[5].id].score == 1.0
+    assert episode.actions[2].id not in rewards  # the ToolNode's turn shows, but is not judged
+    episode.final_state = out
+    assert outcome(episode) == 1.0

@@ -26,7 +26,7 @@ from mappa_graph.traces import Action, Episode
 from tools.dabench import DABenchTask, check_answer, format_score
 from tools.dabench_templates import code_for, task_columns
 
-MAX_COLUMNS = 8
+MAX_COLUMNS = 5
 
 
 def columns_of(task: DABenchTask) -> list[str]:

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 TINY_NAME = "tiny"
-TINY_VERSION = "v1"
+TINY_VERSION = "v2"
 IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|pad|>"
 
 # ChatML, plus tool schemas in the system turn and <tool_call> blocks in assistant turns (Hermes/Qwen style).
@@ -37,7 +37,15 @@ _WORDS = (
     "plan step code run result error output analyst coder planner reporter solver verifier check final "
     "question task tool call python format name calculate compute find missing values unique rate price year "
     "age fare sex class survived date close open volume high low return percent ratio two decimal places "
-    "correct wrong yes no true false add subtract multiply divide plus minus times equals boxed"
+    "correct wrong yes no true false add subtract multiply divide plus minus times equals boxed "
+    # instruction and tool-schema vocabulary, so prompts of agent teams tokenize into words, not letters
+    "You are team data-analysis Read write short numbered plan: which columns use computation answers loaded as "
+    "DataFrame Call with prints exactly numbers asks If last failed, fix again From output, final requested "
+    "format, e.g. rounding Question: Columns: Plan: Code output: Answer format: Constraints: Calculate Pearson "
+    "How rows have Use Compute corr head int() round() mean() sum() function description parameters "
+    "properties type string object required arguments code title Run get printed imported np, plt "
+    "solution problem verdict VERDICT: incorrect reason expression Write Compute. integer rounded decimals "
+    "@correlation[r_value] @count[value] @mean_ value] df[' '] .mean() .corr( .sum()) > ( ) , . : ; ? !"
 ).split()
 _SNIPPETS = [
     "print(df['{c}'].mean())", "print(round(df['{c}'].median(), 2))", "print(len(df[df['{c}'] > {n}]))",
@@ -84,7 +92,7 @@ def build_tiny_model(cache_dir: str | Path | None = None, *, seed: int = 0, forc
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=2048,
+            vocab_size=4096,
             special_tokens=[PAD, IM_START, IM_END],
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,

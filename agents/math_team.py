@@ -31,9 +31,9 @@ from mappa_graph.traces import Action, Episode
 from tools.math_answers import MathProblem, answers_match, extract_boxed, synthetic_arithmetic
 
 AGENTS = ("solver", "verifier")
-SOLVER_ROLE = "You are the solver. Solve the problem step by step. End with the final answer in \\boxed{}."
-VERIFIER_ROLE = ("You are the verifier. Check the solution. Reply VERDICT: correct or VERDICT: incorrect, "
-                 "then the reason.")
+# Short on purpose: every token of a role is paid for in each warm-start step and rollout on the CPU.
+SOLVER_ROLE = "Solve the problem step by step. End with the final answer in \\boxed{}."
+VERIFIER_ROLE = "Check the solution. Reply VERDICT: correct or VERDICT: incorrect, then the reason."
 SOLUTION_MARK = "\n\nSolution:\n"
 _VERDICT = re.compile(r"VERDICT\s*:\s*\**\s*(correct|incorrect)\b", re.IGNORECASE)
 # Scores of the solver's step: the reference's 1 / 0 with partial credit for following the format.
@@ -158,7 +158,8 @@ def _wrong(problem: MathProblem) -> str:
 
 
 def sft_examples(problems: Sequence[MathProblem], *, noise: float = 0.3, seed: int = 0) -> list[SFTExample]:
-    """Synthetic traces of both agents on problems with worked solutions: the solver writes the solution
+    """Synthetic traces of both agents on problems with integer answers and worked solutions (as
+    `synthetic_arithmetic` makes them): the solver writes the solution
     (a `noise` share off by one), the verifier judges a right and a wrong solution, and a rejected solver
     retries with the right one. Enough to learn the formats; the arithmetic itself is left to RL."""
     rng = random.Random(seed)
@@ -180,13 +181,15 @@ def train_and_eval_problems() -> tuple[list[MathProblem], list[MathProblem]]:
     return train, synthetic_arithmetic(40, seed=2, exclude={p.prompt for p in train})
 
 
-def math_policies(base: str = "tiny", *, warm_steps: int = 150, noise: float = 0.3) -> AgentPolicies:
+def math_policies(base: str = "tiny", *, warm_steps: int = 150, noise: float = 0.3,
+                  batch_size: int = 16) -> AgentPolicies:
     """The base with one fresh LoRA adapter per agent; `warm_steps` > 0 first fine-tunes the base on the
     synthetic traces (cached), which the tiny model needs to learn the formats. Use 0 for a real
     instruction-tuned model: it already writes `\\boxed{}` and a full fine-tune would be wasted."""
     if warm_steps > 0:
         train, _ = train_and_eval_problems()
-        base = str(warm_start(base, sft_examples(train, noise=noise, seed=3), steps=warm_steps))
+        base = str(warm_start(base, sft_examples(train, noise=noise, seed=3), steps=warm_steps,
+                              batch_size=batch_size))
     return AgentPolicies.from_pretrained(base, list(AGENTS), lora=LoraSettings(r=8, alpha=16))
 
 

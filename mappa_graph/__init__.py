@@ -33,6 +33,10 @@ _LAZY = {
     "Task": "mappa_graph.trainer",
     "TrainConfig": "mappa_graph.config",
     "RewardConfig": "mappa_graph.rewards",
+    "bind_adapters": "mappa_graph.bind",
+    "merge_adapter": "mappa_graph.bind",
+    "LocalBackend": "mappa_graph.serving.local",
+    "VLLMBackend": "mappa_graph.serving.vllm",
 }
 
 __all__ = [
@@ -42,6 +46,7 @@ __all__ = [
     "Episode",
     "InstrumentedGraph",
     "JudgeError",
+    "LocalBackend",
     "LLMJudge",
     "MixJudge",
     "OutcomeJudge",
@@ -56,13 +61,16 @@ __all__ = [
     "ToolResult",
     "TraceCollector",
     "TraceStore",
+    "VLLMBackend",
     "VerifierJudge",
+    "bind_adapters",
     "build_tiny_model",
     "export_adapters",
     "instrument",
     "judge_report",
     "load_base_model",
     "load_manifest",
+    "merge_adapter",
     "override_score",
     "policy_gradient_step",
 ]

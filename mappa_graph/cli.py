@@ -6,6 +6,8 @@ that runs it (returns the exit status), so a new subcommand is one function pair
     mappa traces --db runs/arith/traces.db --out traces.jsonl
     mappa judge-report --db runs/traces.db [--run R] [--judge NAME] [--plot judge.png] [--json]
     mappa override --db runs/traces.db --action ID --score 0.8 --by alice --reason "the code did run"
+    mappa export agents.arithmetic:build_trainer --output-dir runs/arith --out export/arith [--checkpoint PATH]
+    mappa serve --manifest export/arith [--port 8000] [--run] [-- EXTRA VLLM ARGS]
 """
 
 from __future__ import annotations
@@ -168,6 +170,99 @@ def _traces(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_arguments(parser: argparse.ArgumentParser) -> None:
+    from .config import add_config_arguments
+
+    parser.add_argument("recipe", help="module:function that builds the run's Trainer from a TrainConfig "
+                                       "(the recipe `mappa train` ran, e.g. agents.arithmetic:build_trainer)")
+    parser.add_argument("--config", help="the run's YAML/TOML/JSON TrainConfig file; flags below override it")
+    parser.add_argument("--out", required=True, help="folder to write the adapter folders and manifest.json to")
+    parser.add_argument("--checkpoint", help="a checkpoint folder (RUN/checkpoints/iter-N); default: the latest")
+    add_config_arguments(parser)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .checkpoint import latest_checkpoint, load_checkpoint
+    from .config import TrainConfig, config_from_args
+    from .export import export_adapters
+
+    base = TrainConfig.from_file(args.config) if args.config else None
+    if args.output_dir is None and base is None:
+        raise CommandError("--output-dir is required: the run folder whose checkpoints/ to export")
+    config = config_from_args(args, base)
+    run_dir = Path(config.output_dir)
+    path = Path(args.checkpoint) if args.checkpoint else latest_checkpoint(run_dir / "checkpoints")
+    if path is None or not (path / "state.pt").exists():
+        raise CommandError(f"no checkpoint at {path or run_dir / 'checkpoints'}: train first "
+                           f"(mappa train {args.recipe} --output-dir {run_dir}) or pass --checkpoint RUN/checkpoints/iter-N")
+    trainer = _load_recipe(args.recipe)(config)
+    # load the checkpoint only: Trainer.resume would also trim the run's metrics and traces, and a run may be live
+    payload = load_checkpoint(path, trainer.policies, trainer.optimizers)  # type: ignore[attr-defined]
+    iteration = int(payload["iteration"])
+    manifest = export_adapters(trainer.policies, args.out, run=config.run_name, iteration=iteration,  # type: ignore[attr-defined]
+                               version=max(iteration, 1), metrics=_iteration_metrics(run_dir / "metrics.jsonl", iteration))
+    for node, entry in manifest.nodes.items():
+        print(f"{node}: {entry.adapter_name} -> {Path(args.out) / entry.path}")
+    print(f"manifest: {Path(args.out) / 'manifest.json'} (run {config.run_name!r}, iteration {iteration})")
+    return 0
+
+
+def _iteration_metrics(path: Path, iteration: int) -> dict[str, object]:
+    """The scalar metrics and per-agent mean rewards a run logged for `iteration` (empty if none)."""
+    if not path.exists():
+        return {}
+    for line in reversed(path.read_text().splitlines()):
+        record = json.loads(line) if line.strip() else {}
+        if record.get("iteration") == iteration:
+            out: dict[str, object] = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "iteration"}
+            agents = record.get("agents") or {}
+            out["mean_reward"] = {a: m.get("mean_reward") for a, m in agents.items() if isinstance(m, dict)}
+            return out
+    return {}
+
+
+def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--manifest", required=True, help="an export folder (holding manifest.json)")
+    parser.add_argument("--host", default="127.0.0.1", help="address vLLM listens on (0.0.0.0 for every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="port vLLM listens on")
+    parser.add_argument("--max-loras", type=int, help="adapters per batch (default: the manifest's count)")
+    parser.add_argument("--max-lora-rank", type=int, help="default: the largest rank among the adapters")
+    parser.add_argument("--run", action="store_true", help="start vLLM (needs it installed) instead of printing")
+    parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: passed to vLLM as they are")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+    import shlex
+    import subprocess
+
+    from .export import load_manifest
+    from .serving.vllm import require_vllm, vllm_command
+
+    try:
+        manifest = load_manifest(args.manifest)
+    except (FileNotFoundError, ValueError) as exc:
+        raise CommandError(str(exc)) from None
+    local = manifest.base_model_path and Path(manifest.base_model_path).exists()
+    extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
+    cmd = vllm_command(manifest.base_model_path if local else manifest.base_model,  # type: ignore[arg-type]
+                       adapters=manifest.adapter_names(), served_model_name=manifest.base_model, host=args.host,
+                       port=args.port, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, extra_args=extra,
+                       python=sys.executable if args.run else "python")
+    env_line = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+    if not args.run:
+        print(f"{env_line} {shlex.join(cmd)}")
+        for node, entry in manifest.nodes.items():
+            print(f"# node {node}: model={entry.adapter_name!r}", file=sys.stderr)
+        return 0
+    try:
+        require_vllm()
+    except ImportError as exc:
+        raise CommandError(str(exc)) from None
+    print(f"{env_line} {shlex.join(cmd)}", file=sys.stderr)
+    return subprocess.run(cmd, env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}).returncode
+
+
 COMMANDS: dict[str, Command] = {
     "train": Command("run MAPPA training from a recipe", _train_arguments, _train),
     "plot": Command("draw reward curves per agent from a run's metrics.jsonl", _plot_arguments, _plot),
@@ -175,6 +270,9 @@ COMMANDS: dict[str, Command] = {
     "judge-report": Command("judge quality over stored episodes: AUROC, per-agent scores, bias probes",
                             _report_arguments, _report),
     "override": Command("record a human correction of one action's score", _override_arguments, _override),
+    "export": Command("write a run's trained adapters and manifest.json from its checkpoint",
+                      _export_arguments, _export),
+    "serve": Command("print (or --run) the vLLM command that serves a manifest's adapters", _serve_arguments, _serve),
 }
 
 

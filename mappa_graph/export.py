@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 if TYPE_CHECKING:
     from .policy import AgentPolicies
@@ -45,11 +45,25 @@ class AdapterManifest(BaseModel):
     version: int = 1
     metrics: dict[str, Any] = Field(default_factory=dict)
     created_at: float = Field(default_factory=time.time)
+    # the folder the manifest was read from or written to (not serialised): where relative adapter paths start
+    _root: Path | None = PrivateAttr(None)
 
-    def adapter_dir(self, node: str, root: str | Path) -> Path:
+    @property
+    def root(self) -> Path | None:
+        return self._root
+
+    def adapter_dir(self, node: str, root: str | Path | None = None) -> Path:
         if node not in self.nodes:
             raise KeyError(f"unknown node {node!r} in manifest (nodes: {', '.join(self.nodes)})")
+        root = root if root is not None else self._root
+        if root is None:
+            raise ValueError("this manifest does not know its folder: pass root=, or read it with load_manifest(path)")
         return Path(root) / self.nodes[node].path
+
+    def adapter_names(self) -> dict[str, Path]:
+        """Served adapter name -> absolute adapter folder, one entry per distinct adapter (what vLLM's
+        `--lora-modules name=path` takes)."""
+        return {entry.adapter_name: self.adapter_dir(node).resolve() for node, entry in self.nodes.items()}
 
 
 def base_fingerprint(model: Any) -> str:
@@ -113,7 +127,34 @@ def export_adapters(
     if target.exists():
         shutil.rmtree(target)
     tmp.rename(target)
+    manifest._root = target
     return manifest
+
+
+def save_adapter(policies: AgentPolicies, adapter: str, folder: str | Path) -> Path:
+    """Write one adapter as a standalone PEFT folder at `folder` (peft puts a named adapter in a sub-folder of
+    the save directory; this saves to a temporary sibling and moves that sub-folder into place)."""
+    if adapter not in policies.adapters:
+        raise KeyError(f"unknown adapter {adapter!r} (adapters: {', '.join(policies.adapters)})")
+    target = Path(folder)
+    tmp = target.with_name(f".{target.name}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    with policies.lock:
+        policies.model.save_pretrained(str(tmp), selected_adapters=[adapter])
+    saved = tmp / adapter if (tmp / adapter / "adapter_config.json").exists() else tmp
+    if target.exists():
+        shutil.rmtree(target)
+    saved.rename(target)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def adapter_rank(folder: str | Path) -> int:
+    """The LoRA rank `r` an adapter folder was saved with (vLLM's --max-lora-rank must be at least this)."""
+    config = json.loads((Path(folder) / "adapter_config.json").read_text())
+    return int(config.get("r", 8))
 
 
 def load_manifest(path: str | Path) -> AdapterManifest:
@@ -131,5 +172,9 @@ def load_manifest(path: str | Path) -> AdapterManifest:
     for node, entry in manifest.nodes.items():
         folder = file.parent / entry.path
         if not (folder / "adapter_config.json").exists():
-            raise FileNotFoundError(f"adapter folder for node {node!r} is missing or incomplete: {folder}")
+            raise FileNotFoundError(
+                f"adapter folder for node {node!r} is missing or incomplete: {folder} (manifest path "
+                f"{entry.path!r}); copy the whole export folder, or fix the path in {file}"
+            )
+    manifest._root = file.parent
     return manifest

@@ -1,0 +1,30 @@
+"""Rollout and production backends with one surface: `chat_model(agent)`, `load_adapter`, `sync(policies,
+iteration)` (usable as `Trainer(on_update=backend.sync)`).
+
+- `LocalBackend`: transformers + peft in this process (AgentPolicies).
+- `VLLMBackend`: a vLLM OpenAI-compatible server with `--enable-lora`; adapters are loaded, swapped and
+  unloaded at run time, and each agent's calls go to its adapter by model name.
+
+Names load on first use, so importing this package pulls in neither torch nor langchain-openai.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_LAZY = {
+    "LocalBackend": "mappa_graph.serving.local",
+    "VLLMBackend": "mappa_graph.serving.vllm",
+    "VLLMChatModel": "mappa_graph.serving.vllm",
+    "VLLMError": "mappa_graph.serving.vllm",
+    "vllm_command": "mappa_graph.serving.vllm",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mappa_graph.serving' has no attribute {name!r}")

@@ -31,7 +31,7 @@ def run(mode: str, seed: int, args: argparse.Namespace, out: Path) -> list[tuple
     config = TrainConfig(
         run_name=f"{mode}-{seed}", output_dir=str(out / f"{mode}-{seed}"), iterations=args.iterations,
         tasks_per_iteration=args.tasks, rollouts_per_task=args.group, rollout_concurrency=1, seed=seed,
-        lr=args.lr, ppo_epochs=2, max_new_tokens=6, checkpoint_every=10_000, reward=RewardConfig(mode=mode),
+        lr=args.lr, ppo_epochs=1, max_new_tokens=6, checkpoint_every=10_000, reward=RewardConfig(mode=mode),
     )
     trainer = arithmetic.build_trainer(config)
     per_iteration = config.tasks_per_iteration * config.rollouts_per_task
@@ -55,9 +55,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=30)
-    parser.add_argument("--tasks", type=int, default=16)
+    parser.add_argument("--tasks", type=int, default=32)
     parser.add_argument("--group", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--eval-every", type=int, default=3)
     parser.add_argument("--target", type=float, default=0.6)
     parser.add_argument("--out", default="runs/sample_efficiency")

@@ -25,8 +25,8 @@ from mappa_graph.rewards import RewardConfig  # noqa: E402
 
 def default_config(out: str, mode: str = "process", iterations: int = 40, seed: int = 0) -> TrainConfig:
     return TrainConfig(
-        run_name=f"arith-{mode}", output_dir=out, iterations=iterations, tasks_per_iteration=16,
-        rollouts_per_task=2, rollout_concurrency=1, seed=seed, lr=2e-3, ppo_epochs=2, max_new_tokens=6,
+        run_name=f"arith-{mode}", output_dir=out, iterations=iterations, tasks_per_iteration=32,
+        rollouts_per_task=2, rollout_concurrency=1, seed=seed, lr=3e-3, ppo_epochs=1, max_new_tokens=6,
         reward=RewardConfig(mode=mode), checkpoint_every=1,
     )
 

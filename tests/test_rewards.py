@@ -79,7 +79,7 @@ def test_curriculum_filter_drops_flat_groups_and_low_quality_episodes_early() ->
     samples = [_s("planner", 1.0, "e1"), _s("planner", 1.0, "e2"), _s("coder", 0.9, "e1"), _s("coder", 0.1, "e2")]
     task_of = {"e1": "t", "e2": "t"}
     stats = CreditStats()
-    kept = filter_samples(samples, task_of, RewardConfig(), stats)
+    kept = filter_samples(samples, task_of, RewardConfig(filter_zero_signal=True), stats)
     assert [(s.agent, s.reward) for s in kept] == [("coder", 0.9), ("coder", 0.1)]
     assert stats.filtered_zero_signal == 2
     cfg = RewardConfig(filter_zero_signal=False, min_episode_score=0.6, filter_until_iteration=3)

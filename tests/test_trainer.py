@@ -137,5 +137,5 @@ def test_sigkill_mid_run_resumes_losing_at_most_one_iteration(tmp_path, tiny_pat
         per_iteration: dict[int, int] = {}
         for ep in store.episodes(run="arith-process"):
             per_iteration[ep.metadata["iteration"]] = per_iteration.get(ep.metadata["iteration"], 0) + 1
-    assert per_iteration == {i: 32 for i in range(1, 7)}  # 16 tasks x 2 rollouts, none lost, none twice
+    assert per_iteration == {i: 64 for i in range(1, 7)}  # 32 tasks x 2 rollouts, none lost, none twice
     assert (out / "adapters" / "manifest.json").exists()

@@ -79,8 +79,9 @@ def main() -> None:
     if args.vllm:
         from mappa_graph.serving.vllm import VLLMBackend
 
-        backend = VLLMBackend.connect(args.vllm, policies=policies)
-        models = {a: backend.chat_model(a) for a in team.AGENTS}
+        backend = VLLMBackend.connect(args.vllm, tokenizer=policies.tokenizer)
+        backend.sync(policies, 0)  # serve the starting adapters; each update then swaps in a new version
+        models = {a: backend.chat_model(a, max_new_tokens=MAX_NEW_TOKENS[a]) for a in team.AGENTS}
         on_update = backend.sync
     else:
         models = {a: policies.chat_model(a, max_new_tokens=MAX_NEW_TOKENS[a]) for a in team.AGENTS}

@@ -240,15 +240,40 @@ class AgentPolicies:
         )
 
     def token_logprobs(
-        self, agent: str | None, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]
+        self,
+        agent: str | None,
+        prompts: Sequence[Sequence[int]],
+        outputs: Sequence[Sequence[int]],
+        *,
+        pack: bool = True,
+        max_tokens_per_row: int | None = None,
     ) -> list[torch.Tensor]:
-        """Log-prob of each output token given its prompt, one padded forward for the whole batch; gradients
-        flow into `agent`'s adapter (agent=None: the base with adapters off, no grad). Returns one (T_i,)
-        tensor per sample."""
+        """Log-prob of each output token given its prompt; gradients flow into `agent`'s adapter (agent=None:
+        the base with adapters off, no grad). Returns one (T_i,) tensor per sample.
+
+        pack=True (the default) concatenates the samples into rows of at most `max_tokens_per_row` tokens
+        (first-fit decreasing; a longer sample gets a row of its own), each sequence isolated by position ids
+        that restart at 0, and projects only the output positions onto the vocabulary: no prompt position
+        reaches the LM head. The default capacity is the longest sample, so rows are as wide as the padded
+        batch would be, but fewer and nearly full: sdpa and eager attention cost (W, W) per row whatever the
+        mask. Packing needs sdpa or eager attention and a transformers whose masking_utils builds the packed
+        mask and whose LM head takes a boolean logits_to_keep (5.x); otherwise, and with pack=False, it is one
+        right-padded forward for the whole batch with full logits. Both give the same log-probs to float
+        rounding (tests/test_packing.py)."""
         import torch
 
         if len(prompts) != len(outputs):
             raise ValueError(f"{len(prompts)} prompts but {len(outputs)} outputs")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"sample {i} has an empty prompt: its first output token has nothing to condition on")
+        if max_tokens_per_row is not None and max_tokens_per_row < 1:
+            raise ValueError(f"max_tokens_per_row must be >= 1 or None (the longest sample), got {max_tokens_per_row}")
+        ctx = self.base_only() if agent is None else self.active(agent)
+        grad = torch.no_grad() if agent is None else torch.enable_grad()
+        if pack and self._can_pack():
+            with ctx, grad:
+                return self._packed_logprobs(prompts, outputs, max_tokens_per_row)
         seqs = [list(p) + list(o) for p, o in zip(prompts, outputs)]
         width = max(len(s) for s in seqs)
         pad = self.tokenizer.pad_token_id or 0
@@ -257,8 +282,7 @@ class AgentPolicies:
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s)
             mask[i, : len(s)] = 1
-        ctx = self.base_only() if agent is None else self.active(agent)
-        with ctx, (torch.no_grad() if agent is None else torch.enable_grad()):
+        with ctx, grad:
             logits = self.model(input_ids=ids, attention_mask=mask).logits.float()  # (B, L, V)
         logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, L-1)
         result = []
@@ -266,3 +290,65 @@ class AgentPolicies:
             start = len(p) - 1  # logits at position t predict token t+1
             result.append(logp[i, start : start + len(o)])
         return result
+
+    def _can_pack(self) -> bool:
+        try:
+            from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+            from transformers.modeling_utils import slice_logits_to_keep  # noqa: F401
+        except ImportError:  # older transformers would attend across the packed sequences, silently
+            return False
+        # flash-attention reads packed position ids only in a batch of one row (_is_packed_sequence), so
+        # several rows would mix sequences there; custom kernels skip the mask altogether
+        return getattr(self.model.config, "_attn_implementation", None) in ("sdpa", "eager")
+
+    def _packed_logprobs(
+        self, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], max_tokens_per_row: int | None
+    ) -> list[torch.Tensor]:
+        import torch
+
+        lengths = [len(p) + len(o) for p, o in zip(prompts, outputs)]
+        rows = _first_fit_decreasing(lengths, max_tokens_per_row or max(lengths))
+        width = max(sum(lengths[i] for i in row) for row in rows)
+        pad = self.tokenizer.pad_token_id or 0
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)  # (R, W)
+        # Position ids restarting at 0 mark the sequence boundaries: with no 2D attention mask and no cache,
+        # transformers (masking_utils.find_packed_sequence_indices) turns them into a block-diagonal causal
+        # mask for sdpa/eager. The row's tail padding is one more such block, attended by nothing else.
+        positions = torch.zeros((len(rows), width), dtype=torch.long)  # (R, W)
+        keep = torch.zeros((len(rows), width), dtype=torch.bool)  # positions whose logits predict an output
+        order = []  # samples in the row-major order of their kept positions
+        for r, row in enumerate(rows):
+            offset = 0
+            for i in row:
+                p, o = prompts[i], outputs[i]
+                ids[r, offset : offset + lengths[i]] = torch.tensor([*p, *o])
+                positions[r, offset : offset + lengths[i]] = torch.arange(lengths[i])
+                keep[r, offset + len(p) - 1 : offset + lengths[i] - 1] = True  # logits at t predict token t+1
+                order.append(i)
+                offset += lengths[i]
+            positions[r, offset:] = torch.arange(width - offset)
+        targets = ids[:, 1:][keep[:, :-1]]  # (N,) the output tokens, in kept order
+        ids, positions, keep = ids.to(self.device), positions.to(self.device), keep.to(self.device)
+        # A 2D boolean logits_to_keep projects only the kept positions: (N, V), flattened row-major
+        logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep).logits
+        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.to(self.device)[:, None])[:, 0]  # (N,)
+        pieces = logp.split([len(outputs[i]) for i in order])
+        by_sample = dict(zip(order, pieces))
+        return [by_sample[i] for i in range(len(order))]
+
+
+def _first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bin sample indices into rows of at most `capacity` tokens, longest first; a sample longer than the
+    capacity gets a row of its own."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(capacity - lengths[i])
+    return rows

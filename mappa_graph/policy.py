@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,7 @@ class Generation(BaseModel):
     output_token_ids: list[int]
     output_logprobs: list[float]
     finished: bool
+    top_logprobs: list[list[tuple[int, float]]] = []
 
 
 @contextmanager
@@ -205,26 +206,50 @@ class AgentPolicies:
         """Sample one completion under `agent`'s adapter, with the log-prob of each sampled token under the
         distribution it was sampled from (temperature applied, no top-k/top-p: the behaviour policy the
         importance ratio needs)."""
+        return self.sample(self.adapter_of[self.check_agent(agent)], prompt_ids, max_new_tokens=max_new_tokens,
+                           temperature=temperature, do_sample=do_sample, seed=seed)
+
+    def sample(
+        self,
+        adapter: str | None,
+        prompt_ids: Sequence[int],
+        *,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        do_sample: bool = True,
+        seed: int | None = None,
+        top_logprobs: int = 0,
+    ) -> Generation:
+        """`generate` by peft adapter name (any loaded adapter, not only an agent's; None: the base with
+        adapters off), optionally with the `top_logprobs` most likely tokens at each step (what an
+        OpenAI-compatible server reports)."""
         import torch
 
         ids = torch.tensor([list(prompt_ids)], device=self.device)
-        with self.active(agent), torch.no_grad(), _seeded(seed, self.device):
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=do_sample,
-                temperature=temperature if do_sample else None,
-                top_k=None,
-                top_p=None,
-                eos_token_id=self.stop_token_ids or None,
-                pad_token_id=self.tokenizer.pad_token_id,
-                output_scores=True,
-                return_dict_in_generate=True,
-            )
+        with self.lock:
+            if adapter is None:
+                route = self.model.disable_adapter()
+            else:
+                if self.model.active_adapter != adapter:
+                    self.model.set_adapter(adapter)
+                route = nullcontext()
+            with route, torch.no_grad(), _seeded(seed, self.device):
+                out = self.model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=do_sample,
+                    temperature=temperature if do_sample else None,
+                    top_k=None,
+                    top_p=None,
+                    eos_token_id=self.stop_token_ids or None,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                    output_scores=True,
+                    return_dict_in_generate=True,
+                )
         new = out.sequences[0, ids.shape[1]:]
-        scores = torch.stack(out.scores, dim=0)[:, 0, :].float()  # (T, V)
-        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new[: scores.shape[0], None])[:, 0]
+        logp = torch.log_softmax(torch.stack(out.scores, dim=0)[:, 0, :].float(), dim=-1)  # (T, V)
+        chosen = logp.gather(-1, new[: logp.shape[0], None])[:, 0]
         tokens = new.tolist()
         stop = set(self.stop_token_ids)
         finished = False
@@ -232,11 +257,17 @@ class AgentPolicies:
             if tok in stop:
                 tokens, finished = tokens[: i + 1], True
                 break
+        tops: list[list[tuple[int, float]]] = []
+        if top_logprobs:
+            for t in range(len(tokens)):
+                values, indices = logp[t].topk(top_logprobs)
+                tops.append(list(zip(indices.tolist(), values.tolist())))
         return Generation(
             prompt_token_ids=list(prompt_ids),
             output_token_ids=tokens,
-            output_logprobs=logprobs[: len(tokens)].tolist(),
+            output_logprobs=chosen[: len(tokens)].tolist(),
             finished=finished,
+            top_logprobs=tops,
         )
 
     def token_logprobs(

@@ -220,52 +220,12 @@ class LoRAServer:
 
     def _generate(self, slot: str | None, prompt_ids: list[int], max_tokens: int, temperature: float,
                   seed: int | None, top_k: int) -> tuple[list[int], list[float], list[list[tuple[int, float]]], bool]:
-        """The same generate call AgentPolicies.generate makes, routed by slot instead of by agent."""
-        import contextlib
-
-        import torch
-
-        from ..policy import _seeded
-
-        policies = self.policies
+        """The same sampling AgentPolicies.generate does, routed by slot (adapter name) instead of by agent."""
         greedy = temperature == 0.0
-        ids = torch.tensor([prompt_ids], device=policies.device)
-        with policies.lock:
-            if slot is None:
-                route = policies.model.disable_adapter()
-            else:
-                policies.model.set_adapter(slot)
-                route = contextlib.nullcontext()
-            with route, torch.no_grad(), _seeded(seed, policies.device):
-                out = policies.model.generate(
-                    input_ids=ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=max_tokens,
-                    do_sample=not greedy,
-                    temperature=None if greedy else temperature,
-                    top_k=None,
-                    top_p=None,
-                    eos_token_id=policies.stop_token_ids or None,
-                    pad_token_id=policies.tokenizer.pad_token_id,
-                    output_scores=True,
-                    return_dict_in_generate=True,
-                )
-        new = out.sequences[0, ids.shape[1]:]
-        logp = torch.log_softmax(torch.stack(out.scores, dim=0)[:, 0, :].float(), dim=-1)  # (T, V)
-        chosen = logp.gather(-1, new[: logp.shape[0], None])[:, 0].tolist()
-        tokens, finished, stop = new.tolist(), False, set(policies.stop_token_ids)
-        for i, tok in enumerate(tokens):
-            if tok in stop:
-                tokens, finished = tokens[: i + 1], True
-                break
-        tops: list[list[tuple[int, float]]] = []
-        for t in range(len(tokens)):
-            if top_k:
-                values, indices = logp[t].topk(top_k)
-                tops.append(list(zip(indices.tolist(), values.tolist())))
-            else:
-                tops.append([])
-        return tokens, chosen[: len(tokens)], tops, finished
+        gen = self.policies.sample(slot, prompt_ids, max_new_tokens=max_tokens, temperature=temperature,
+                                   do_sample=not greedy, seed=seed, top_logprobs=top_k)
+        tops = gen.top_logprobs or [[] for _ in gen.output_token_ids]
+        return gen.output_token_ids, gen.output_logprobs, tops, gen.finished
 
     def _logprob_entry(self, token: int, logprob: float, top: list[tuple[int, float]], as_ids: bool) -> dict[str, Any]:
         def text(t: int) -> str:

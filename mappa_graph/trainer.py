@@ -65,6 +65,11 @@ class Trainer:
         self.config = config or TrainConfig()
         if not tasks:
             raise ValueError("Trainer needs at least one task")
+        if self.config.rollout_backend != "local":
+            raise NotImplementedError(
+                f"rollout_backend={self.config.rollout_backend!r} is not available yet; use 'local' "
+                "(Ray fan-out of rollouts is planned, see the project's issue on scaling past one machine)"
+            )
         for agent in self.config.frozen_agents:
             policies.check_agent(agent)
         self.out = Path(self.config.output_dir)

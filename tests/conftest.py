@@ -42,3 +42,15 @@ def dabench_dir() -> Path:
     if not (path / "questions.jsonl").exists():
         pytest.skip(f"DABench data not found at {path} (set MAPPA_DABENCH_DIR)")
     return path
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The tiny model's ops are too small to split: on a busy 2-core machine two intra-op threads make an
+    8-token generation ~70x slower (barrier waits). Modules that generate a lot use it; restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

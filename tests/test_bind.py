@@ -34,13 +34,8 @@ def _perturb(policies: AgentPolicies, seed: int) -> None:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The tiny model's ops are too small to split: on a busy 2-core machine two intra-op threads make an
-    8-token generation ~70x slower (barrier waits). Restored after the module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_torch_thread(one_torch_thread):
     yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture()

@@ -14,12 +14,8 @@ AGENTS = ["planner", "coder"]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These passes are a few ms on one thread; two OpenMP threads on a busy 2-core machine take seconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -36,13 +36,8 @@ def perturb(policies: AgentPolicies, seed: int, scale: float = 0.3) -> None:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The tiny model's ops are too small to split: on a busy 2-core machine two intra-op threads make an
-    8-token generation ~70x slower (barrier waits). Restored after the module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_torch_thread(one_torch_thread):
     yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture()
@@ -101,7 +96,7 @@ def test_start_launches_the_command_serves_the_manifest_and_stops(policies, tmp_
 
     monkeypatch.setattr(vllm_module, "require_vllm", lambda: None)
     monkeypatch.setattr(vllm_module, "vllm_command", stand_in)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the child process: see _one_torch_thread
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the child process: see one_torch_thread in conftest
     export_adapters(policies, tmp_path / "export", version=4)
     with VLLMBackend.start(manifest=tmp_path / "export", adapter_dir=tmp_path / "served", startup_timeout=120,
                            log_file=tmp_path / "server.log") as backend:

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/sample_efficiency.py [--seeds 3] [--iterations 30] [--target 0.6]
 
 For each seed, both modes start from the same warm-started base and fresh adapters and train side by side;
-held-out success (60 tasks, sampled decoding) is measured every --eval-every iterations. Prints the rollouts
+held-out success (60 tasks x --eval-rollouts, sampled decoding) is measured every --eval-every iterations. Prints the rollouts
 each mode needed to reach --target (a run that never reaches it counts its whole budget, so the ratio is then
 a bound) and the ratio process / outcome (the reference reports about 0.6; our goal is <= 0.5), and saves a
 plot of held-out success against rollouts.
@@ -35,11 +35,11 @@ def run(mode: str, seed: int, args: argparse.Namespace, out: Path) -> list[tuple
     )
     trainer = arithmetic.build_trainer(config)
     per_iteration = config.tasks_per_iteration * config.rollouts_per_task
-    curve = [(0, trainer.evaluate())]
+    curve = [(0, trainer.evaluate(rollouts=args.eval_rollouts))]
     for it in range(1, args.iterations + 1):
         trainer.step()
         if it % args.eval_every == 0:
-            curve.append((it * per_iteration, trainer.evaluate()))
+            curve.append((it * per_iteration, trainer.evaluate(rollouts=args.eval_rollouts)))
         print(f"  {mode:8s} seed {seed} iteration {it:3d}  held-out {curve[-1][1]:.2f}", flush=True)
     return curve
 
@@ -54,12 +54,13 @@ def rollouts_to_reach(curve: list[tuple[int, float]], target: float, budget: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--iterations", type=int, default=30)
+    parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--tasks", type=int, default=32)
     parser.add_argument("--group", type=int, default=2)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--eval-every", type=int, default=3)
-    parser.add_argument("--target", type=float, default=0.6)
+    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--eval-rollouts", type=int, default=2, help="sampled rollouts per held-out task")
+    parser.add_argument("--target", type=float, default=0.45)
     parser.add_argument("--out", default="runs/sample_efficiency")
     args = parser.parse_args()
     out = Path(args.out)

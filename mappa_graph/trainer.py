@@ -255,14 +255,15 @@ class Trainer:
                 "skipped_step": 0 if finite else 1}
 
     # ---- evaluation, records, checkpoints ------------------------------------------------------------
-    def evaluate(self, tasks: Sequence[Task] | None = None, *, greedy: bool = False) -> float:
-        """Held-out success: one rollout per task (sampled as in training, or greedy), mean outcome."""
+    def evaluate(self, tasks: Sequence[Task] | None = None, *, greedy: bool = False, rollouts: int = 1) -> float:
+        """Held-out success: `rollouts` per task (sampled as in training, or greedy), mean outcome."""
         if self.outcome is None:
             raise ValueError("evaluate() needs an outcome function: Trainer(..., outcome=fn(episode) -> 0..1)")
         tasks = list(tasks or self.eval_tasks)
         if not tasks:
             raise ValueError("no evaluation tasks: pass eval_tasks= to Trainer or tasks= to evaluate()")
-        episodes = self.rollout(tasks, self.iteration, rollouts=1, greedy=greedy, graph=self.eval_graph, desc="eval")
+        episodes = self.rollout(tasks, self.iteration, rollouts=1 if greedy else rollouts, greedy=greedy,
+                                graph=self.eval_graph, desc="eval")
         values = [e.outcome for e in episodes if e.outcome is not None]
         return sum(values) / len(values) if values else 0.0
 

@@ -141,20 +141,29 @@ class Trainer:
         graph = graph or self.graph
         jobs = [(task, g) for task in tasks for g in range(rollouts or self.config.rollouts_per_task)]
 
-        def run(job: tuple[Task, int]) -> Episode:
+        def run(job: tuple[Task, int]) -> Episode | None:
             task, g = job
             meta = {"mappa_seed": f"{self.config.seed}:{iteration}:{task.id}:{g}",
                     "mappa_episode_metadata": {"iteration": iteration, "rollout": g}}
             if greedy:
                 meta["mappa_greedy"] = True
-            _, episode = graph.run_episode(task.input, task_id=task.id, reference=task.reference,
-                                           config={"metadata": meta})
+            try:
+                _, episode = graph.run_episode(task.input, task_id=task.id, reference=task.reference,
+                                               config={"metadata": meta})
+            except Exception as exc:  # one broken rollout must not end a run of hours; it stays in the store
+                log.warning("rollout of task %r (g=%d) failed at iteration %d: %s: %s; dropped from this update",
+                            task.id, g, iteration, type(exc).__name__, exc)
+                return None
             return episode
 
         episodes: list[Episode] = []
+        self.failed_rollouts = 0
         with ThreadPoolExecutor(max_workers=self.config.rollout_concurrency) as pool:
             for episode in tqdm(pool.map(run, jobs), total=len(jobs), desc=desc, leave=False, unit="ep"):
-                episodes.append(episode)
+                if episode is None:
+                    self.failed_rollouts += 1
+                else:
+                    episodes.append(episode)
         if self.outcome is not None:
             for episode in episodes:
                 episode.outcome = self.outcome(episode)
@@ -297,6 +306,7 @@ class Trainer:
         return {
             "iteration": iteration,
             "episodes": len(episodes),
+            "failed_rollouts": self.failed_rollouts,
             "success_rate": sum(outcomes) / len(outcomes) if outcomes else None,
             "seconds": seconds,
             "credit": credit.model_dump(),

@@ -139,3 +139,23 @@ def test_sigkill_mid_run_resumes_losing_at_most_one_iteration(tmp_path, tiny_pat
             per_iteration[ep.metadata["iteration"]] = per_iteration.get(ep.metadata["iteration"], 0) + 1
     assert per_iteration == {i: 64 for i in range(1, 7)}  # 32 tasks x 2 rollouts, none lost, none twice
     assert (out / "adapters" / "manifest.json").exists()
+
+
+def test_a_failing_rollout_is_counted_and_dropped_not_fatal(tmp_path, caplog) -> None:
+    trainer = arithmetic.build_trainer(_config(tmp_path, tasks_per_iteration=4, rollout_concurrency=1), _policies())
+    real = trainer.policies.generate
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):  # the second model call of the iteration fails inside its node
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("tool server went away")
+        return real(*args, **kwargs)
+
+    trainer.policies.generate = flaky
+    record = trainer.step()
+    assert record["failed_rollouts"] == 1 and record["episodes"] == 7
+    assert "tool server went away" in caplog.text
+    trainer.graph.flush()
+    stored = trainer.store.episodes(run="t")
+    assert len(stored) == 8 and sum(1 for e in stored if e.error) == 1  # the failed one is kept, with its error

@@ -49,7 +49,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tasks-per-iteration", type=int, default=6)
     p.add_argument("--held-out", type=int, default=12, help="held-out templated questions to evaluate on")
     p.add_argument("--real-questions", type=int, default=3, help="real DABench questions to evaluate on")
-    p.add_argument("--warm-steps", type=int, default=100, help="supervised warm-start steps (tiny model only)")
+    p.add_argument("--warm-steps", type=int, default=500, help="supervised warm-start steps (tiny model only)")
     p.add_argument("--out", default="reports/data_analysis")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()

@@ -22,6 +22,7 @@ import torch
 from pydantic import BaseModel
 from tqdm.auto import tqdm
 
+from . import distributed
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .instrument import InstrumentedGraph, instrument
@@ -74,7 +75,8 @@ class Trainer:
             policies.check_agent(agent)
         self.out = Path(self.config.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.store = store or TraceStore(self.out / "traces.db")
+        # every rank runs the same seeded rollouts; rank 0's go to the trace store, the others' stay in memory
+        self.store = store or TraceStore(self.out / "traces.db" if distributed.is_main_process() else ":memory:")
         if isinstance(graph, InstrumentedGraph):
             graph.store = graph.store or self.store
             self.graph = graph
@@ -120,9 +122,10 @@ class Trainer:
         record = self.record(iteration, episodes, rewards, samples, credit, update, time.time() - started)
         if self.eval_tasks and self.config.eval_every and iteration % self.config.eval_every == 0:
             record["eval_success"] = self.evaluate()
-        self.metrics.write(record)
-        if iteration % self.config.checkpoint_every == 0 or iteration == self.config.iterations:
-            self.checkpoint()
+        if distributed.is_main_process():  # under torch distributed, rank 0 alone writes metrics and checkpoints
+            self.metrics.write(record)
+            if iteration % self.config.checkpoint_every == 0 or iteration == self.config.iterations:
+                self.checkpoint()
         return record
 
     # ---- the parts ---------------------------------------------------------------------------------------
@@ -222,7 +225,12 @@ class Trainer:
         opt = self.optimizers.optimizers[adapter]
         params = list(self.policies.adapter_parameters(adapter).values())
         opt.zero_grad(set_to_none=True)
+        data_parallel = distributed.is_distributed()
+        if data_parallel:  # each rank takes its shard of the actions; the loss below divides by the global count
+            samples = distributed.shard(samples, distributed.rank(), distributed.world_size())
         total_tokens = sum(len(s.output_token_ids) for s in samples)
+        if data_parallel:
+            total_tokens = int(distributed.all_reduce_sum([total_tokens])[0])
         started = time.time()
         loss_sum, kl_sum, clipped = 0.0, 0.0, 0
         for start in range(0, len(samples), cfg.micro_batch_size):
@@ -246,6 +254,10 @@ class Trainer:
             loss.backward()
             loss_sum += float(loss.detach())
             clipped += int(was_clipped.sum())
+        if data_parallel:  # summed grads of per-rank losses over the global count: the global batch's gradient
+            distributed.all_reduce_adapter_grads(self.policies, adapter)
+            loss_sum, kl_sum, clipped = distributed.all_reduce_sum([loss_sum, kl_sum, clipped])
+            clipped = int(clipped)
         grads = [p.grad for p in params if p.grad is not None]
         finite = math.isfinite(loss_sum) and all(torch.isfinite(g).all() for g in grads)
         grad_norm = float("nan")
@@ -329,7 +341,8 @@ class Trainer:
         else:
             payload = load_checkpoint(path, self.policies, self.optimizers)
             self.iteration = int(payload["iteration"])
-        self.metrics.truncate_after(self.iteration)
+        if distributed.is_main_process():
+            self.metrics.truncate_after(self.iteration)
         dropped = self.store.delete_episodes_after(self.config.run_name, self.iteration)
         log.info("resuming at iteration %d from %s (dropped %d episodes of unfinished iterations)",
                  self.iteration, path, dropped)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, TypedDict
 
 from langchain_core.language_models import BaseChatModel
@@ -153,12 +154,16 @@ def warm_policies(base: str = "tiny", *, warm_steps: int = 400, noise: float = 0
     return AgentPolicies.from_pretrained(str(warm), list(AGENTS), lora=LoraSettings(r=8, alpha=16))
 
 
+def team_graph(policies: AgentPolicies, *, max_new_tokens: int = 32, temperature: float = 1.0) -> Any:
+    """The compiled team on these policies: the factory Ray workers call to build their own copy."""
+    models = {a: policies.chat_model(a, max_new_tokens=max_new_tokens, temperature=temperature) for a in AGENTS}
+    return build_arithmetic_graph(models).compile()
+
+
 def build_trainer(config: TrainConfig, policies: AgentPolicies | None = None, **trainer_kwargs: Any) -> Trainer:
     """The whole recipe: team graph on the policies, process judge, outcome, train and held-out tasks."""
     policies = policies or warm_policies()
     train, held_out = train_and_eval_tasks()
-    models = {a: policies.chat_model(a, max_new_tokens=config.max_new_tokens, temperature=config.temperature)
-              for a in AGENTS}
-    graph = build_arithmetic_graph(models).compile()
+    graph = partial(team_graph, max_new_tokens=config.max_new_tokens, temperature=config.temperature)
     return Trainer(graph, policies, process_judge(), train, config, outcome=outcome, eval_tasks=held_out,
                    **trainer_kwargs)

@@ -14,6 +14,21 @@ from pydantic import BaseModel, ConfigDict, Field
 from .rewards import RewardConfig
 
 
+class RayConfig(BaseModel):
+    """Where rollouts and judge calls run with rollout_backend="ray" (see mappa_graph/ray_rollouts.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str | None = Field(None, description="Ray cluster to join (None: RAY_ADDRESS, else a local one)")
+    runtime_env: dict[str, Any] | None = Field(None, description="Ray runtime_env, e.g. {'working_dir': '.'}")
+    workers: int = Field(2, ge=1, description="rollout actors, each holding the base model and the adapters")
+    concurrency_per_worker: int = Field(1, ge=1, description="episodes each actor runs at once (threads)")
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs Ray reserves for each actor")
+    gpus_per_worker: float = Field(0.0, ge=0, description="GPUs Ray reserves for each actor")
+    max_restarts: int = Field(2, ge=0, description="times Ray restarts a dead actor")
+    max_task_retries: int = Field(2, ge=0, description="times Ray retries a call lost with its actor")
+
+
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -23,7 +38,8 @@ class TrainConfig(BaseModel):
     tasks_per_iteration: int = Field(8, ge=1, description="tasks drawn per iteration")
     rollouts_per_task: int = Field(2, ge=1, description="G: rollouts of each task per iteration")
     rollout_concurrency: int = Field(4, ge=1, description="episodes run at once")
-    rollout_backend: Literal["local", "ray"] = Field("local", description="where rollouts run")
+    rollout_backend: Literal["local", "ray"] = Field("local", description="where rollouts and judge calls run")
+    ray: RayConfig = Field(default_factory=RayConfig, description="Ray workers (rollout_backend='ray')")
     seed: int = Field(0, description="seeds task sampling, sampling and initialisation")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="credit assignment")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate of every adapter")
@@ -60,11 +76,14 @@ class TrainConfig(BaseModel):
         return cls.model_validate({**data, **overrides})
 
 
+_NESTED = {"reward": RewardConfig, "ray": RayConfig}
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One --flag per scalar TrainConfig field (and --reward.x for the reward config)."""
-    for prefix, model in (("", TrainConfig), ("reward.", RewardConfig)):
+    """One --flag per scalar TrainConfig field (and --reward.x, --ray.x for the nested configs)."""
+    for prefix, model in (("", TrainConfig), *((f"{k}.", m) for k, m in _NESTED.items())):
         for name, field in model.model_fields.items():
-            if name == "reward":
+            if not prefix and name in _NESTED:
                 continue
             flag = f"--{prefix}{name}".replace("_", "-")
             kind = _scalar_type(field.annotation)
@@ -79,11 +98,12 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, base: TrainConfig | None = None) -> TrainConfig:
     data = (base or TrainConfig()).model_dump()
     for key, value in vars(args).items():
-        if value is None or key.split(".")[0] not in TrainConfig.model_fields and not key.startswith("reward."):
+        head, _, rest = key.partition(".")
+        if value is None or head not in TrainConfig.model_fields:
             continue
-        if key.startswith("reward."):
-            data["reward"][key.split(".", 1)[1]] = _maybe_json(value)
-        elif key in TrainConfig.model_fields:
+        if rest and head in _NESTED:
+            data[head][rest] = _maybe_json(value)
+        elif not rest:
             data[key] = _maybe_json(value)
     return TrainConfig.model_validate(data)
 

@@ -8,6 +8,7 @@ langgraph: the graph arrives already instrumented, or is instrumented through ma
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import random
@@ -30,6 +31,7 @@ from .judge import ProcessJudge
 from .loss import clipped_surrogate, flatten_tokens, k1_kl
 from .metrics import MetricsLog
 from .policy import AgentPolicies
+from .ray_rollouts import RolloutJob, run_job, score_episodes
 from .rewards import assign_advantages, episode_rewards, filter_samples
 from .store import TraceStore
 from .traces import Episode, Reward
@@ -66,13 +68,16 @@ class Trainer:
         self.config = config or TrainConfig()
         if not tasks:
             raise ValueError("Trainer needs at least one task")
-        if self.config.rollout_backend != "local":
-            raise NotImplementedError(
-                f"rollout_backend={self.config.rollout_backend!r} is not available yet; use 'local' "
-                "(Ray fan-out of rollouts is planned, see the project's issue on scaling past one machine)"
-            )
         for agent in self.config.frozen_agents:
             policies.check_agent(agent)
+        if self.config.rollout_backend == "ray" and (hasattr(graph, "invoke") or not callable(graph)):
+            raise TypeError(
+                "rollout_backend='ray' needs the graph as a factory, f(policies) -> compiled graph, that Ray can "
+                f"send to each worker (the workers build their own models); got {type(graph).__name__}, which "
+                "holds the driver's model. Pass e.g. functools.partial(build_team, max_new_tokens=32)"
+            )
+        if self.config.rollout_backend == "ray" and distributed.is_distributed():
+            raise ValueError("rollout_backend='ray' under torchrun is not supported: use one of the two")
         self.out = Path(self.config.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         # every rank runs the same seeded rollouts; rank 0's go to the trace store, the others' stay in memory
@@ -81,8 +86,7 @@ class Trainer:
             graph.store = graph.store or self.store
             self.graph = graph
         else:
-            compiled = graph() if callable(graph) and not hasattr(graph, "invoke") else graph
-            self.graph = instrument(compiled, store=self.store, run=self.config.run_name)
+            self.graph = instrument(build_graph(graph, policies), store=self.store, run=self.config.run_name)
         self.eval_graph = instrument(self.graph.graph, store=self.store, run=f"{self.config.run_name}/eval",
                                      agents=self.graph.agents)
         self.policies, self.judge, self.tasks = policies, judge, list(tasks)
@@ -95,6 +99,13 @@ class Trainer:
         self.metrics = MetricsLog(self.out / "metrics.jsonl",
                                   tensorboard_dir=self.out / "tb" if self.config.tensorboard else None)
         self.iteration = 0
+        self.weights_version = 0  # bumped by every change of the adapters; Ray workers get each version once
+        self.ray = None
+        if self.config.rollout_backend == "ray":
+            from .ray_rollouts import RayRollouts
+
+            self.ray = RayRollouts(graph, policies=policies, judge=judge, agents=self.graph.agents,
+                                   config=self.config.ray)
         if resume:
             self.resume()
 
@@ -142,31 +153,31 @@ class Trainer:
                 graph: InstrumentedGraph | None = None, desc: str = "rollouts") -> list[Episode]:
         """G rollouts of each task, run concurrently; each call is seeded from (seed, iteration, task, g)."""
         graph = graph or self.graph
-        jobs = [(task, g) for task in tasks for g in range(rollouts or self.config.rollouts_per_task)]
-
-        def run(job: tuple[Task, int]) -> Episode | None:
-            task, g = job
-            meta = {"mappa_seed": f"{self.config.seed}:{iteration}:{task.id}:{g}",
-                    "mappa_episode_metadata": {"iteration": iteration, "rollout": g}}
-            if greedy:
-                meta["mappa_greedy"] = True
-            try:
-                _, episode = graph.run_episode(task.input, task_id=task.id, reference=task.reference,
-                                               config={"metadata": meta})
-            except Exception as exc:  # one broken rollout must not end a run of hours; it stays in the store
-                log.warning("rollout of task %r (g=%d) failed at iteration %d: %s: %s; dropped from this update",
-                            task.id, g, iteration, type(exc).__name__, exc)
-                return None
-            return episode
-
+        jobs = [RolloutJob(task_id=task.id, input=task.input, reference=task.reference, run=graph.run,
+                           metadata=rollout_metadata(self.config.seed, iteration, task.id, g, greedy))
+                for task in tasks for g in range(rollouts or self.config.rollouts_per_task)]
+        with tqdm(total=len(jobs), desc=desc, leave=False, unit="ep") as bar:
+            if self.ray is not None:
+                if self.ray.version != self.weights_version:
+                    self.ray.publish(self.policies, self.weights_version)
+                results = self.ray.rollout(jobs, progress=lambda: bar.update(1))
+                self.store.add_episodes(r.episode for r in results if r.episode is not None)
+            else:
+                with ThreadPoolExecutor(max_workers=self.config.rollout_concurrency) as pool:
+                    results = []
+                    for result in pool.map(lambda job: run_job(graph, job), jobs):
+                        results.append(result)
+                        bar.update(1)
         episodes: list[Episode] = []
         self.failed_rollouts = 0
-        with ThreadPoolExecutor(max_workers=self.config.rollout_concurrency) as pool:
-            for episode in tqdm(pool.map(run, jobs), total=len(jobs), desc=desc, leave=False, unit="ep"):
-                if episode is None:
-                    self.failed_rollouts += 1
-                else:
-                    episodes.append(episode)
+        for job, result in zip(jobs, results):
+            if result.error is None and result.episode is not None:
+                episodes.append(result.episode)
+                continue
+            # one broken rollout must not end a run of hours; its partial episode stays in the store
+            self.failed_rollouts += 1
+            log.warning("rollout of task %r (%s) failed at iteration %d: %s; dropped from this update",
+                        job.task_id, job.metadata["mappa_episode_metadata"], iteration, result.error)
         if self.outcome is not None:
             for episode in episodes:
                 episode.outcome = self.outcome(episode)
@@ -177,11 +188,10 @@ class Trainer:
         """Judge every action; rewards go to the store as they are (unscored ones with their reason)."""
         if self.config.reward.mode == "outcome":
             return []
-        score_many = getattr(self.judge, "score_many", None)
-        if callable(score_many):
-            rewards = list(score_many(list(episodes)))
+        if self.ray is not None:
+            rewards = self.ray.score(episodes, fallback=self.judge)
         else:
-            rewards = [r for episode in episodes for r in self.judge.score(episode)]
+            rewards = score_episodes(self.judge, episodes)
         self.store.add_rewards(rewards)
         return rewards
 
@@ -216,6 +226,8 @@ class Trainer:
         for _ in range(cfg.ppo_epochs):
             for adapter, group in by_adapter.items():
                 stats[adapter] = self._update_adapter(adapter, group)
+        if by_adapter:
+            self.weights_version += 1
         if self.on_update is not None and by_adapter:
             self.on_update(self.policies, self.iteration + 1)
         return stats
@@ -341,12 +353,33 @@ class Trainer:
         else:
             payload = load_checkpoint(path, self.policies, self.optimizers)
             self.iteration = int(payload["iteration"])
+            self.weights_version += 1
         if distributed.is_main_process():
             self.metrics.truncate_after(self.iteration)
         dropped = self.store.delete_episodes_after(self.config.run_name, self.iteration)
         log.info("resuming at iteration %d from %s (dropped %d episodes of unfinished iterations)",
                  self.iteration, path, dropped)
         return self.iteration
+
+
+def rollout_metadata(seed: int, iteration: int, task_id: str, g: int, greedy: bool = False) -> dict[str, Any]:
+    """What a rollout's config carries: the seed every sampling call derives from, and where it sits in the run."""
+    meta: dict[str, Any] = {"mappa_seed": f"{seed}:{iteration}:{task_id}:{g}",
+                            "mappa_episode_metadata": {"iteration": iteration, "rollout": g}}
+    if greedy:
+        meta["mappa_greedy"] = True
+    return meta
+
+
+def build_graph(graph: Any, policies: AgentPolicies) -> Any:
+    """A compiled graph as given, or built by a factory: `f(policies)`, or `f()` for one that takes nothing."""
+    if hasattr(graph, "invoke") or not callable(graph):
+        return graph
+    try:
+        takes_policies = bool(inspect.signature(graph).parameters)
+    except (TypeError, ValueError):
+        takes_policies = True
+    return graph(policies) if takes_policies else graph()
 
 
 def _postfix(record: dict[str, Any]) -> dict[str, str]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up a fresh machine: a venv in .venv, the CPU torch wheel first, then the project with its dev extra.
+# Set up a fresh machine: a venv in .venv, the CPU torch wheel first, then the project with its dev and ray extras.
 # torch is pinned here (not in pyproject) so no dependency can pull a newer, multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +9,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[dev]"
+.venv/bin/python -m pip install -q -e ".[dev,ray]"
 .venv/bin/python -c "import torch, mappa_graph; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 echo "setup done: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"

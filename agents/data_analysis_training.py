@@ -1,4 +1,5 @@
-"""Training recipe for the data-analysis team: tasks, warm-start traces, the process judge and the outcome.
+"""Training recipe for the data-analysis team: the team factory, tasks, warm-start traces, the process judge
+and the outcome.
 
 The judge scores each agent's own step with the execution feedback, as MAPPA's coach does: the planner by
 whether its plan names the columns the question is about, the coder by whether its code ran and printed the
@@ -17,7 +18,8 @@ from typing import Any
 from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
-from agents.data_analysis import analyst_prompt, coder_prompt, planner_prompt
+from agents.data_analysis import (AGENTS, analyst_prompt, build_data_analysis_graph, coder_prompt, make_table_tool,
+                                  planner_prompt)
 from mappa_graph.chat import to_hf_messages
 from mappa_graph.judge import VerifierJudge
 from mappa_graph.sft import SFTExample
@@ -27,6 +29,26 @@ from tools.dabench import DABenchTask, check_answer, format_score
 from tools.dabench_templates import code_for, task_columns
 
 MAX_COLUMNS = 5
+# the coder's tool call is ~50 tokens of the tiny tokenizer; plans and answers are short
+MAX_NEW_TOKENS = {"planner": 24, "coder": 64, "analyst": 16}
+
+
+def team_graph(policies: Any, *, vllm: str | None = None) -> Any:
+    """The compiled team with a sandbox of its own: what the trainer builds in-process and what each Ray worker
+    builds for itself. With `vllm` (an OpenAI-compatible base URL, LoRA enabled) the agents' models are that
+    server's adapters, and the factory also returns `VLLMBackend.sync`, so each new adapter version is loaded
+    there before the rollouts that use it."""
+    from tools.sandbox import PythonSandbox
+
+    tool = make_table_tool(PythonSandbox(cpu_seconds=10, wall_seconds=20, memory_mb=1024))
+    if vllm:
+        from mappa_graph.serving.vllm import VLLMBackend
+
+        backend = VLLMBackend.connect(vllm, tokenizer=policies.tokenizer)
+        models = {a: backend.chat_model(a, max_new_tokens=MAX_NEW_TOKENS[a]) for a in AGENTS}
+        return build_data_analysis_graph(models, tool).compile(), backend.sync
+    models = {a: policies.chat_model(a, max_new_tokens=MAX_NEW_TOKENS[a]) for a in AGENTS}
+    return build_data_analysis_graph(models, tool).compile()
 
 
 def columns_of(task: DABenchTask) -> list[str]:

@@ -12,21 +12,28 @@ report.json, rewards.png, metrics.jsonl, the exported adapters and the trace DB.
 Real models: `--model Qwen/Qwen3-1.7B` (HF name or local path) trains on real DABench questions;
 `--judge http://host:8000/v1 --judge-model NAME` scores with an LLM judge over an OpenAI-compatible
 endpoint; `--vllm http://host:8001/v1` runs rollouts through a vLLM server with one LoRA per agent.
+
+Ray: `--ray local` (a Ray instance on this machine) or `--ray auto` / `--ray ray://head:10001` (a cluster)
+fans rollouts and judge calls out to `--ray-workers` actors; with `--vllm http://localhost:8000/v1` each
+worker uses the vLLM server on its own node. See docs/scaling.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from agents import data_analysis as team  # noqa: E402
 from agents import data_analysis_training as recipe  # noqa: E402
 from mappa_graph import AgentPolicies, LLMJudge, MixJudge, TrainConfig, Trainer, export_adapters  # noqa: E402
+from mappa_graph.config import RayConfig  # noqa: E402
 from mappa_graph.metrics import plot_rewards  # noqa: E402
 from mappa_graph.rewards import RewardConfig  # noqa: E402
 from mappa_graph.sft import warm_start  # noqa: E402
@@ -35,16 +42,15 @@ from tools.dabench_templates import templated_tasks  # noqa: E402
 from tools.sandbox import PythonSandbox  # noqa: E402
 
 
-# the coder's tool call is ~50 tokens of the tiny tokenizer; plans and answers are short
-MAX_NEW_TOKENS = {"planner": 24, "coder": 64, "analyst": 16}
-
-
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="base model: HF name, local path, or 'tiny' (offline)")
     p.add_argument("--judge", help="OpenAI-compatible base URL of an LLM judge (default: the programmatic judge)")
     p.add_argument("--judge-model", default="judge", help="model name at --judge")
     p.add_argument("--vllm", help="OpenAI-compatible base URL of a vLLM server for rollouts (LoRA enabled)")
+    p.add_argument("--ray", help="run rollouts on Ray: 'local', 'auto' or a cluster address")
+    p.add_argument("--ray-workers", type=int, default=2, help="Ray rollout actors (one per node with --vllm)")
+    p.add_argument("--ray-concurrency", type=int, default=1, help="episodes each Ray actor runs at once")
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--tasks-per-iteration", type=int, default=6)
     p.add_argument("--held-out", type=int, default=12, help="held-out templated questions to evaluate on")
@@ -60,8 +66,7 @@ def main() -> None:
     started = time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    sandbox = PythonSandbox(cpu_seconds=10, wall_seconds=20, memory_mb=1024)
-    tool = team.make_table_tool(sandbox)
+    tool = team.make_table_tool(PythonSandbox(cpu_seconds=10, wall_seconds=20, memory_mb=1024))  # warm start
     real = [recipe.to_task(t) for t in load_dabench(levels=["easy"], limit=args.real_questions)]
     if args.model == "tiny":
         templated = templated_tasks(128 + args.held_out, seed=args.seed)
@@ -76,17 +81,7 @@ def main() -> None:
         pool = [recipe.to_task(t) for t in load_dabench()]
         train, held_out = pool[: len(pool) * 3 // 4], pool[len(pool) * 3 // 4 :]
     policies = AgentPolicies.from_pretrained(base, list(team.AGENTS))
-    if args.vllm:
-        from mappa_graph.serving.vllm import VLLMBackend
-
-        backend = VLLMBackend.connect(args.vllm, tokenizer=policies.tokenizer)
-        backend.sync(policies, 0)  # serve the starting adapters; each update then swaps in a new version
-        models = {a: backend.chat_model(a, max_new_tokens=MAX_NEW_TOKENS[a]) for a in team.AGENTS}
-        on_update = backend.sync
-    else:
-        models = {a: policies.chat_model(a, max_new_tokens=MAX_NEW_TOKENS[a]) for a in team.AGENTS}
-        on_update = None
-    graph = team.build_data_analysis_graph(models, tool).compile()
+    graph = functools.partial(recipe.team_graph, vllm=args.vllm)  # each Ray worker builds its own copy
     judge = recipe.process_judge()
     if args.judge:
         from langchain_openai import ChatOpenAI
@@ -97,9 +92,12 @@ def main() -> None:
         run_name="data-analysis", output_dir=str(out), iterations=args.iterations,
         tasks_per_iteration=args.tasks_per_iteration, rollouts_per_task=2, rollout_concurrency=2, seed=args.seed,
         lr=2e-3, ppo_epochs=2, max_new_tokens=64, reward=RewardConfig(filter_zero_signal=False),
+        rollout_backend="ray" if args.ray else "local",
+        ray=RayConfig(address=None if args.ray in (None, "local") else args.ray, workers=args.ray_workers,
+                      concurrency_per_worker=args.ray_concurrency,
+                      runtime_env=None if args.ray in (None, "local") else {"working_dir": str(ROOT)}),
     )
-    trainer = Trainer(graph, policies, judge, train, config, outcome=recipe.outcome, eval_tasks=held_out,
-                      on_update=on_update)
+    trainer = Trainer(graph, policies, judge, train, config, outcome=recipe.outcome, eval_tasks=held_out)
 
     before = {"held_out": trainer.evaluate(held_out), "real_dabench": trainer.evaluate(real)}
     print(f"accuracy before: held-out templated {before['held_out']:.2f}, real DABench {before['real_dabench']:.2f}")

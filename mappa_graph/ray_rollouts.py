@@ -159,8 +159,9 @@ class RolloutWorker:
     def __init__(self, factory: GraphFactory, spec: PolicySpec | None, judge: ProcessJudge | None,
                  agents: dict[str, str]) -> None:
         self.policies = spec.build() if spec is not None else None
-        built = factory(self.policies) if self.policies is not None else factory()
-        self.compiled, self.on_version = built if isinstance(built, tuple) else (built, None)
+        from .trainer import split_team
+
+        self.compiled, self.on_version = split_team(factory(self.policies) if self.policies is not None else factory())
         self.agents = agents
         self.judge = judge
         self.version = -1
@@ -228,6 +229,11 @@ class RayRollouts:
             max_concurrency=self.config.concurrency_per_worker)
         spec = PolicySpec.of(policies) if policies is not None else None
         self.workers = [actor.remote(factory, spec, judge, dict(agents or {})) for _ in range(self.config.workers)]
+        try:  # wait until every worker has built its team, so a broken factory or model path fails here, once
+            ray.get([w.info.remote() for w in self.workers])
+        except ray.exceptions.RayError as exc:
+            self.shutdown()
+            raise RuntimeError(f"Ray rollout workers could not start: {exc}") from exc
         self.version = -1
         self.box: list[Any] = [None]
 

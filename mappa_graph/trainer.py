@@ -76,19 +76,28 @@ class Trainer:
                 f"send to each worker (the workers build their own models); got {type(graph).__name__}, which "
                 "holds the driver's model. Pass e.g. functools.partial(build_team, max_new_tokens=32)"
             )
+        distributed.init_from_env()  # under torchrun: join its process group (a no-op in a single process)
         if self.config.rollout_backend == "ray" and distributed.is_distributed():
             raise ValueError("rollout_backend='ray' under torchrun is not supported: use one of the two")
         self.out = Path(self.config.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         # every rank runs the same seeded rollouts; rank 0's go to the trace store, the others' stay in memory
         self.store = store or TraceStore(self.out / "traces.db" if distributed.is_main_process() else ":memory:")
-        if isinstance(graph, InstrumentedGraph):
-            graph.store = graph.store or self.store
-            self.graph = graph
-        else:
-            self.graph = instrument(build_graph(graph, policies), store=self.store, run=self.config.run_name)
-        self.eval_graph = instrument(self.graph.graph, store=self.store, run=f"{self.config.run_name}/eval",
-                                     agents=self.graph.agents)
+        self.eval_run = f"{self.config.run_name}/eval"
+        # on Ray the workers build the team (each beside its own model server); the driver builds no graph
+        self.graph: InstrumentedGraph | None = None
+        self.eval_graph: InstrumentedGraph | None = None
+        self.on_version: Callable[[AgentPolicies, int], Any] | None = None
+        if self.config.rollout_backend == "local":
+            if isinstance(graph, InstrumentedGraph):
+                graph.store = graph.store or self.store
+                self.graph = graph
+            else:
+                compiled, self.on_version = split_team(build_graph(graph, policies))
+                self.graph = instrument(compiled, store=self.store, run=self.config.run_name)
+            self.eval_graph = instrument(self.graph.graph, store=self.store, run=self.eval_run,
+                                         agents=self.graph.agents)
+        self.synced_version = -1  # the adapter version on_version last pushed (local path)
         self.policies, self.judge, self.tasks = policies, judge, list(tasks)
         self.eval_tasks = list(eval_tasks or [])
         self.outcome = outcome
@@ -104,8 +113,7 @@ class Trainer:
         if self.config.rollout_backend == "ray":
             from .ray_rollouts import RayRollouts
 
-            self.ray = RayRollouts(graph, policies=policies, judge=judge, agents=self.graph.agents,
-                                   config=self.config.ray)
+            self.ray = RayRollouts(graph, policies=policies, judge=judge, config=self.config.ray)
         if resume:
             self.resume()
 
@@ -150,10 +158,12 @@ class Trainer:
         return [rng.choice(self.tasks) for _ in range(k)]
 
     def rollout(self, tasks: Sequence[Task], iteration: int, *, rollouts: int | None = None, greedy: bool = False,
-                graph: InstrumentedGraph | None = None, desc: str = "rollouts") -> list[Episode]:
+                graph: InstrumentedGraph | None = None, run: str | None = None,
+                desc: str = "rollouts") -> list[Episode]:
         """G rollouts of each task, run concurrently; each call is seeded from (seed, iteration, task, g)."""
         graph = graph or self.graph
-        jobs = [RolloutJob(task_id=task.id, input=task.input, reference=task.reference, run=graph.run,
+        run = run or (graph.run if graph is not None else self.config.run_name)
+        jobs = [RolloutJob(task_id=task.id, input=task.input, reference=task.reference, run=run,
                            metadata=rollout_metadata(self.config.seed, iteration, task.id, g, greedy))
                 for task in tasks for g in range(rollouts or self.config.rollouts_per_task)]
         with tqdm(total=len(jobs), desc=desc, leave=False, unit="ep") as bar:
@@ -163,6 +173,9 @@ class Trainer:
                 results = self.ray.rollout(jobs, progress=lambda: bar.update(1))
                 self.store.add_episodes(r.episode for r in results if r.episode is not None)
             else:
+                if self.on_version is not None and self.synced_version != self.weights_version:
+                    self.on_version(self.policies, self.weights_version)
+                    self.synced_version = self.weights_version
                 with ThreadPoolExecutor(max_workers=self.config.rollout_concurrency) as pool:
                     results = []
                     for result in pool.map(lambda job: run_job(graph, job), jobs):
@@ -296,7 +309,7 @@ class Trainer:
         if not tasks:
             raise ValueError("no evaluation tasks: pass eval_tasks= to Trainer or tasks= to evaluate()")
         episodes = self.rollout(tasks, self.iteration, rollouts=1 if greedy else rollouts, greedy=greedy,
-                                graph=self.eval_graph, desc="eval")
+                                graph=self.eval_graph, run=self.eval_run, desc="eval")
         values = [e.outcome for e in episodes if e.outcome is not None]
         return sum(values) / len(values) if values else 0.0
 
@@ -338,7 +351,8 @@ class Trainer:
         }
 
     def checkpoint(self) -> Path:
-        self.graph.flush()
+        if self.graph is not None:
+            self.graph.flush()
         return save_checkpoint(self.out / "checkpoints", self.iteration, self.policies, self.optimizers,
                                config=self.config.model_dump(mode="json"), trainer_state={},
                                keep=self.config.keep_checkpoints)
@@ -380,6 +394,17 @@ def build_graph(graph: Any, policies: AgentPolicies) -> Any:
     except (TypeError, ValueError):
         takes_policies = True
     return graph(policies) if takes_policies else graph()
+
+
+def split_team(built: Any) -> tuple[Any, Callable[[AgentPolicies, int], Any] | None]:
+    """A factory's result: a compiled graph, or (graph, on_version) where on_version(policies, version) pushes
+    each new adapter version to where the graph's models are served (e.g. `VLLMBackend.sync`)."""
+    if isinstance(built, tuple):
+        if len(built) != 2 or not callable(built[1]):
+            raise TypeError("a graph factory returns a compiled graph or (compiled graph, on_version(policies, "
+                            f"version)); got a tuple of {len(built)}")
+        return built[0], built[1]
+    return built, None
 
 
 def _postfix(record: dict[str, Any]) -> dict[str, str]:

@@ -103,3 +103,8 @@ def served_team(policies: Any, base_url: str) -> Any:
     graph.add_edge(START, "solver")
     graph.add_edge("solver", END)
     return graph.compile(), backend.sync
+
+
+def broken_team() -> Any:
+    """A factory that fails inside the worker, as one whose data is missing on that node would."""
+    raise FileNotFoundError("no table at /nowhere")

@@ -186,3 +186,10 @@ def test_workers_push_each_adapter_version_to_their_nodes_vllm_server(tmp_path, 
         assert got.keys() == want.keys()
         for name, p in want.items():
             torch.testing.assert_close(got[name].detach(), p.detach())
+
+
+def test_a_worker_that_cannot_build_its_team_fails_at_start_with_the_cause(local_ray, tmp_path) -> None:
+    from tests.graphs import broken_team
+
+    with pytest.raises(RuntimeError, match=r"(?s)Ray rollout workers could not start.*FileNotFoundError: no table at /nowhere"):
+        RayRollouts(broken_team, config=RayConfig(workers=1))

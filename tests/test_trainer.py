@@ -102,9 +102,10 @@ def test_config_loads_from_yaml_toml_and_flags(tmp_path) -> None:
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
     args = parser.parse_args(["--iterations", "4", "--reward.mode", "outcome", "--frozen-agents", '["planner"]',
-                              "--tensorboard", "false"])
+                              "--tensorboard", "false", "--ray.workers", "3", "--rollout-backend", "ray"])
     cfg = config_from_args(args, TrainConfig.from_file(tmp_path / "c.toml"))
     assert (cfg.iterations, cfg.lr, cfg.reward.mode, cfg.frozen_agents) == (4, 0.01, "outcome", ["planner"])
+    assert (cfg.rollout_backend, cfg.ray.workers, cfg.ray.cpus_per_worker) == ("ray", 3, 1.0)
     with pytest.raises(ValueError, match="unknown config format"):
         TrainConfig.from_file(tmp_path / "c.ini")
 
@@ -159,3 +160,21 @@ def test_a_failing_rollout_is_counted_and_dropped_not_fatal(tmp_path, caplog) ->
     trainer.graph.flush()
     stored = trainer.store.episodes(run="t")
     assert len(stored) == 8 and sum(1 for e in stored if e.error) == 1  # the failed one is kept, with its error
+
+
+def test_a_factory_hook_gets_each_adapter_version_before_the_rollouts_that_use_it(tmp_path) -> None:
+    from mappa_graph.ray_rollouts import adapter_checksum
+    from mappa_graph.trainer import Trainer
+
+    seen: list[tuple[int, dict[str, float]]] = []
+
+    def team(policies):  # a graph served elsewhere returns (graph, push-new-version), e.g. VLLMBackend.sync
+        return arithmetic.team_graph(policies, max_new_tokens=6), lambda p, v: seen.append((v, adapter_checksum(p)))
+
+    train, _ = arithmetic.train_and_eval_tasks()
+    trainer = Trainer(team, _policies(), arithmetic.process_judge(), train, _config(tmp_path, tasks_per_iteration=3))
+    trainer.train(2)
+    assert [v for v, _ in seen] == [0, 1]  # the start, then after the first update; none after the last
+    assert seen[0][1] != seen[1][1] and trainer.weights_version == 2
+    with pytest.raises(TypeError, match="returns a compiled graph or"):
+        Trainer(lambda p: (1, 2, 3), trainer.policies, arithmetic.process_judge(), train, _config(tmp_path / "x"))

@@ -158,9 +158,9 @@ class RolloutWorker:
 
     def __init__(self, factory: GraphFactory, spec: PolicySpec | None, judge: ProcessJudge | None,
                  agents: dict[str, str]) -> None:
-        self.policies = spec.build() if spec is not None else None
         from .trainer import split_team
 
+        self.policies = spec.build() if spec is not None else None
         self.compiled, self.on_version = split_team(factory(self.policies) if self.policies is not None else factory())
         self.agents = agents
         self.judge = judge
@@ -234,6 +234,7 @@ class RayRollouts:
         except ray.exceptions.RayError as exc:
             self.shutdown()
             raise RuntimeError(f"Ray rollout workers could not start: {exc}") from exc
+        self.live = list(range(len(self.workers)))  # a worker dead beyond its restarts stays out
         self.version = -1
         self.box: list[Any] = [None]
 
@@ -247,7 +248,7 @@ class RayRollouts:
         ray = import_ray()
         results: list[RolloutResult | None] = [None] * len(jobs)
         pending = list(range(len(jobs)))[::-1]
-        live = list(range(len(self.workers)))
+        live = self.live
         in_flight: dict[Any, tuple[int, int]] = {}  # ref -> (job index, worker index)
 
         def submit(w: int) -> None:
@@ -281,11 +282,12 @@ class RayRollouts:
     def score(self, episodes: Sequence[Episode], fallback: ProcessJudge) -> list[Reward]:
         """Episodes split across the workers' judges; a chunk whose worker is lost is scored on the driver."""
         ray = import_ray()
-        if not self.judges_on_workers or not episodes:
+        if not self.judges_on_workers or not episodes or not self.live:
             return score_episodes(fallback, episodes)
-        n = len(self.workers)
+        workers = [self.workers[w] for w in self.live]
+        n = len(workers)
         chunks = [list(episodes[k::n]) for k in range(n)]
-        refs = [w.score.remote(c) if c else None for w, c in zip(self.workers, chunks)]
+        refs = [w.score.remote(c) if c else None for w, c in zip(workers, chunks)]
         by_episode: dict[str, list[Reward]] = {}
         for chunk, ref in zip(chunks, refs):
             if ref is None:
@@ -304,4 +306,4 @@ class RayRollouts:
         ray = import_ray()
         for w in self.workers:
             ray.kill(w)
-        self.workers = []
+        self.workers, self.live = [], []

@@ -118,8 +118,11 @@ def test_crashed_workers_are_retried_and_a_lost_rollout_is_counted_once(tmp_path
                        config=RayConfig(workers=2, max_restarts=1, max_task_retries=1))
     try:
         results = pool.rollout(_jobs(names))
+        assert len(pool.live) == 1  # crash-always used up its worker's restarts
+        later = pool.rollout(_jobs(["e", "f", "g"]))  # the next batch goes to the worker that is left
     finally:
         pool.shutdown()
+    assert [r.error for r in later] == [None, None, None]
     by_task = dict(zip(names, results))
     for name in ("a", "b", "c", "d", "crash-once"):  # crash-once: the worker died, Ray restarted it and retried
         r = by_task[name]

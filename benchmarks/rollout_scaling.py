@@ -20,9 +20,9 @@ from langchain_core.messages import AIMessage, HumanMessage
 from langgraph.graph import END, START, StateGraph
 
 from mappa_graph.config import RayConfig
-from mappa_graph.ray_rollouts import RayRollouts, RolloutJob
+from mappa_graph.ray_rollouts import RayRollouts
+from mappa_graph.rollouts import RolloutJob, rollout_metadata
 from mappa_graph.testing import ScriptedChatModel
-from mappa_graph.trainer import rollout_metadata
 
 
 class TeamState(TypedDict, total=False):

@@ -23,12 +23,12 @@ from pydantic import BaseModel, ConfigDict
 from .config import RayConfig
 from .instrument import InstrumentedGraph, instrument
 from .policy import LoraSettings
+from .rollouts import RolloutJob, RolloutResult, run_job, score_episodes, split_team
 from .traces import Episode, Reward
 
 if TYPE_CHECKING:
     from .judge import ProcessJudge
     from .policy import AgentPolicies
-    from .trainer import Task
 
 log = logging.getLogger(__name__)
 
@@ -95,21 +95,6 @@ class PolicySpec(BaseModel):
                                              dtype=self.dtype)
 
 
-class RolloutJob(BaseModel):
-    """One rollout: the task, and the run name and metadata the trainer would give it in-process."""
-
-    task_id: str
-    input: Any
-    reference: Any = None
-    run: str
-    metadata: dict[str, Any]
-
-
-class RolloutResult(BaseModel):
-    episode: Episode | None = None  # with `error` set, the partial episode (to store, not to train on)
-    error: str | None = None
-
-
 def adapter_state(policies: AgentPolicies) -> dict[str, dict[str, Any]]:
     """Every adapter's LoRA tensors, detached CPU copies: what a new policy version ships to the workers."""
     return {a: {n: p.detach().cpu().clone() for n, p in policies.adapter_parameters(a).items()}
@@ -132,34 +117,11 @@ def adapter_checksum(policies: AgentPolicies) -> dict[str, float]:
             for a in policies.adapters}
 
 
-def run_job(graph: InstrumentedGraph, job: RolloutJob) -> RolloutResult:
-    """Run one rollout; a graph that raises returns its error and partial episode (the caller counts it)."""
-    try:
-        _, episode = graph.run_episode(job.input, task_id=job.task_id, reference=job.reference,
-                                       config={"metadata": job.metadata})
-    except Exception as exc:
-        mine = job.metadata.get("mappa_episode_metadata", {})
-        partial = next((e for e in reversed(graph.episodes) if e.task_id == job.task_id
-                        and all(e.metadata.get(k) == v for k, v in mine.items())), None)
-        return RolloutResult(episode=partial, error=f"{type(exc).__name__}: {exc}")
-    return RolloutResult(episode=episode)
-
-
-def score_episodes(judge: ProcessJudge, episodes: Sequence[Episode]) -> list[Reward]:
-    """The judge's batched path when it has one (LLM judges batch their calls), else episode by episode."""
-    score_many = getattr(judge, "score_many", None)
-    if callable(score_many):
-        return list(score_many(list(episodes)))
-    return [r for episode in episodes for r in judge.score(episode)]
-
-
 class RolloutWorker:
     """One Ray actor: the team rebuilt once, then rollouts and judge calls on request."""
 
     def __init__(self, factory: GraphFactory, spec: PolicySpec | None, judge: ProcessJudge | None,
                  agents: dict[str, str]) -> None:
-        from .trainer import split_team
-
         self.policies = spec.build() if spec is not None else None
         self.compiled, self.on_version = split_team(factory(self.policies) if self.policies is not None else factory())
         self.agents = agents

@@ -8,7 +8,6 @@ langgraph: the graph arrives already instrumented, or is instrumented through ma
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import random
@@ -31,7 +30,7 @@ from .judge import ProcessJudge
 from .loss import clipped_surrogate, flatten_tokens, k1_kl
 from .metrics import MetricsLog
 from .policy import AgentPolicies
-from .ray_rollouts import RolloutJob, run_job, score_episodes
+from .rollouts import OnVersion, RolloutJob, build_graph, rollout_metadata, run_job, score_episodes, split_team
 from .rewards import assign_advantages, episode_rewards, filter_samples
 from .store import TraceStore
 from .traces import Episode, Reward
@@ -87,7 +86,7 @@ class Trainer:
         # on Ray the workers build the team (each beside its own model server); the driver builds no graph
         self.graph: InstrumentedGraph | None = None
         self.eval_graph: InstrumentedGraph | None = None
-        self.on_version: Callable[[AgentPolicies, int], Any] | None = None
+        self.on_version: OnVersion | None = None
         if self.config.rollout_backend == "local":
             if isinstance(graph, InstrumentedGraph):
                 graph.store = graph.store or self.store
@@ -97,7 +96,7 @@ class Trainer:
                 self.graph = instrument(compiled, store=self.store, run=self.config.run_name)
             self.eval_graph = instrument(self.graph.graph, store=self.store, run=self.eval_run,
                                          agents=self.graph.agents)
-        self.synced_version = -1  # the adapter version on_version last pushed (local path)
+        self.synced_version = -1  # the adapter version rollouts last got (Ray workers, or on_version)
         self.policies, self.judge, self.tasks = policies, judge, list(tasks)
         self.eval_tasks = list(eval_tasks or [])
         self.outcome = outcome
@@ -108,7 +107,7 @@ class Trainer:
         self.metrics = MetricsLog(self.out / "metrics.jsonl",
                                   tensorboard_dir=self.out / "tb" if self.config.tensorboard else None)
         self.iteration = 0
-        self.weights_version = 0  # bumped by every change of the adapters; Ray workers get each version once
+        self.weights_version = 0  # bumped by every change of the adapters; rollouts get each version once
         self.ray = None
         if self.config.rollout_backend == "ray":
             from .ray_rollouts import RayRollouts
@@ -166,16 +165,17 @@ class Trainer:
         jobs = [RolloutJob(task_id=task.id, input=task.input, reference=task.reference, run=run,
                            metadata=rollout_metadata(self.config.seed, iteration, task.id, g, greedy))
                 for task in tasks for g in range(rollouts or self.config.rollouts_per_task)]
+        if self.synced_version != self.weights_version:  # rollouts see the adapters as they are now
+            if self.ray is not None:
+                self.ray.publish(self.policies, self.weights_version)
+            elif self.on_version is not None:
+                self.on_version(self.policies, self.weights_version)
+            self.synced_version = self.weights_version
         with tqdm(total=len(jobs), desc=desc, leave=False, unit="ep") as bar:
             if self.ray is not None:
-                if self.ray.version != self.weights_version:
-                    self.ray.publish(self.policies, self.weights_version)
                 results = self.ray.rollout(jobs, progress=lambda: bar.update(1))
                 self.store.add_episodes(r.episode for r in results if r.episode is not None)
             else:
-                if self.on_version is not None and self.synced_version != self.weights_version:
-                    self.on_version(self.policies, self.weights_version)
-                    self.synced_version = self.weights_version
                 with ThreadPoolExecutor(max_workers=self.config.rollout_concurrency) as pool:
                     results = []
                     for result in pool.map(lambda job: run_job(graph, job), jobs):
@@ -374,37 +374,6 @@ class Trainer:
         log.info("resuming at iteration %d from %s (dropped %d episodes of unfinished iterations)",
                  self.iteration, path, dropped)
         return self.iteration
-
-
-def rollout_metadata(seed: int, iteration: int, task_id: str, g: int, greedy: bool = False) -> dict[str, Any]:
-    """What a rollout's config carries: the seed every sampling call derives from, and where it sits in the run."""
-    meta: dict[str, Any] = {"mappa_seed": f"{seed}:{iteration}:{task_id}:{g}",
-                            "mappa_episode_metadata": {"iteration": iteration, "rollout": g}}
-    if greedy:
-        meta["mappa_greedy"] = True
-    return meta
-
-
-def build_graph(graph: Any, policies: AgentPolicies) -> Any:
-    """A compiled graph as given, or built by a factory: `f(policies)`, or `f()` for one that takes nothing."""
-    if hasattr(graph, "invoke") or not callable(graph):
-        return graph
-    try:
-        takes_policies = bool(inspect.signature(graph).parameters)
-    except (TypeError, ValueError):
-        takes_policies = True
-    return graph(policies) if takes_policies else graph()
-
-
-def split_team(built: Any) -> tuple[Any, Callable[[AgentPolicies, int], Any] | None]:
-    """A factory's result: a compiled graph, or (graph, on_version) where on_version(policies, version) pushes
-    each new adapter version to where the graph's models are served (e.g. `VLLMBackend.sync`)."""
-    if isinstance(built, tuple):
-        if len(built) != 2 or not callable(built[1]):
-            raise TypeError("a graph factory returns a compiled graph or (compiled graph, on_version(policies, "
-                            f"version)); got a tuple of {len(built)}")
-        return built[0], built[1]
-    return built, None
 
 
 def _postfix(record: dict[str, Any]) -> dict[str, str]:

@@ -16,9 +16,10 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip ins
 
 from mappa_graph import instrument  # noqa: E402
 from mappa_graph.config import RayConfig, TrainConfig  # noqa: E402
-from mappa_graph.ray_rollouts import RayRollouts, RolloutJob, adapter_checksum  # noqa: E402
+from mappa_graph.ray_rollouts import RayRollouts, adapter_checksum  # noqa: E402
 from mappa_graph.rewards import RewardConfig  # noqa: E402
-from mappa_graph.trainer import Trainer, rollout_metadata  # noqa: E402
+from mappa_graph.rollouts import RolloutJob, rollout_metadata  # noqa: E402
+from mappa_graph.trainer import Trainer  # noqa: E402
 from tests.graphs import crashy_graph  # noqa: E402
 
 

@@ -350,6 +350,14 @@ class Trainer:
             "agents": per_agent,
         }
 
+    def close(self) -> None:
+        """Stop the Ray rollout workers (if any) and flush the traces; the trainer's files stay as written."""
+        if self.ray is not None:
+            self.ray.shutdown()
+            self.ray = None
+        if self.graph is not None:
+            self.graph.flush()
+
     def checkpoint(self) -> Path:
         if self.graph is not None:
             self.graph.flush()

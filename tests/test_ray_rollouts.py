@@ -106,6 +106,11 @@ def test_ray_iteration_gives_the_in_process_episodes_rewards_and_weights(tmp_pat
     # held-out evaluation goes through the same workers, under its own run name
     assert remote.evaluate(tasks[:3], greedy=True) == local.evaluate(tasks[:3], greedy=True)
     assert len(remote.store.episodes(run="eq/eval")) == 3
+    workers = remote.ray.workers
+    remote.close()
+    assert remote.ray is None
+    with pytest.raises(ray.exceptions.RayActorError):  # close() stopped the actors, nothing left running
+        ray.get(workers[0].info.remote(), timeout=60)
 
 
 def _jobs(names: list[str]) -> list[RolloutJob]:

@@ -94,7 +94,7 @@ def main() -> None:
         lr=2e-3, ppo_epochs=2, max_new_tokens=64, reward=RewardConfig(filter_zero_signal=False),
         rollout_backend="ray" if args.ray else "local",
         ray=RayConfig(address=None if args.ray in (None, "local") else args.ray, workers=args.ray_workers,
-                      concurrency_per_worker=args.ray_concurrency,
+                      concurrency_per_worker=args.ray_concurrency, load_base=not args.vllm,  # vLLM generates
                       runtime_env=None if args.ray in (None, "local") else {"working_dir": str(ROOT)}),
     )
     trainer = Trainer(graph, policies, judge, train, config, outcome=recipe.outcome, eval_tasks=held_out)

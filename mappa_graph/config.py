@@ -22,6 +22,8 @@ class RayConfig(BaseModel):
     address: str | None = Field(None, description="Ray cluster to join (None: RAY_ADDRESS, else a local one)")
     runtime_env: dict[str, Any] | None = Field(None, description="Ray runtime_env, e.g. {'working_dir': '.'}")
     workers: int = Field(2, ge=1, description="rollout actors, each holding the base model and the adapters")
+    load_base: bool = Field(True, description="workers load the base; False when a server (vLLM) generates: "
+                            "workers then get adapter files only")
     concurrency_per_worker: int = Field(1, ge=1, description="episodes each actor runs at once (threads)")
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs Ray reserves for each actor")
     gpus_per_worker: float = Field(0.0, ge=0, description="GPUs Ray reserves for each actor")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 if TYPE_CHECKING:
+    from .adapter_files import AdapterFiles
     from .policy import AgentPolicies
 
 MANIFEST_FILE = "manifest.json"
@@ -131,11 +132,14 @@ def export_adapters(
     return manifest
 
 
-def save_adapter(policies: AgentPolicies, adapter: str, folder: str | Path) -> Path:
+def save_adapter(policies: AgentPolicies | AdapterFiles, adapter: str, folder: str | Path) -> Path:
     """Write one adapter as a standalone PEFT folder at `folder` (peft puts a named adapter in a sub-folder of
     the save directory; this saves to a temporary sibling and moves that sub-folder into place)."""
     if adapter not in policies.adapters:
         raise KeyError(f"unknown adapter {adapter!r} (adapters: {', '.join(policies.adapters)})")
+    write = getattr(policies, "write_adapter", None)
+    if write is not None:  # AdapterFiles: the folders' bytes, no model to save from
+        return write(adapter, folder)
     target = Path(folder)
     tmp = target.with_name(f".{target.name}.tmp")
     if tmp.exists():

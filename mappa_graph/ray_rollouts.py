@@ -1,7 +1,9 @@
 """Rollouts and judge calls fanned out to Ray actors (`TrainConfig(rollout_backend="ray")`).
 
 Each actor rebuilds the team once: the base model and one LoRA adapter per agent (`PolicySpec`), the graph
-from the user's factory `f(policies) -> compiled graph`, and the judge. From then on only adapter weights
+from the user's factory `f(policies) -> compiled graph`, and the judge. Where a server generates (vLLM per
+node), `RayConfig(load_base=False)` gives the factory an `AdapterFiles` instead of a model: the adapters'
+PEFT files, which is all the worker needs to push each version to its server. From then on only adapters
 travel: the driver puts each new adapter version in Ray's object store once (a few MB, never the base model)
 and every call names the version it needs, so an actor that Ray restarted after a crash catches up before
 it runs the retried call. Episodes come back to the driver, which alone writes the trace store: a retried call
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
+from .adapter_files import AdapterFiles
 from .config import RayConfig
 from .instrument import InstrumentedGraph, instrument
 from .policy import LoraSettings
@@ -88,6 +91,9 @@ class PolicySpec(BaseModel):
         share = {a: owner for a, owner in policies.adapter_of.items() if a != owner}
         return cls(base=policies.base_name, agents=policies.agents, lora=policies.lora, share=share, dtype=dtype)
 
+    def adapter_of(self) -> dict[str, str]:
+        return {a: self.share.get(a, a) for a in self.agents}
+
     def build(self) -> AgentPolicies:
         from .policy import AgentPolicies
 
@@ -121,8 +127,10 @@ class RolloutWorker:
     """One Ray actor: the team rebuilt once, then rollouts and judge calls on request."""
 
     def __init__(self, factory: GraphFactory, spec: PolicySpec | None, judge: ProcessJudge | None,
-                 agents: dict[str, str]) -> None:
-        self.policies = spec.build() if spec is not None else None
+                 agents: dict[str, str], load_base: bool = True) -> None:
+        self.policies: AgentPolicies | AdapterFiles | None = None
+        if spec is not None:
+            self.policies = spec.build() if load_base else AdapterFiles(spec.base, spec.adapter_of())
         self.compiled, self.on_version = split_team(factory(self.policies) if self.policies is not None else factory())
         self.agents = agents
         self.judge = judge
@@ -137,7 +145,11 @@ class RolloutWorker:
             if self.policies is not None:
                 import ray
 
-                load_adapter_state(self.policies, ray.get(box[0]))
+                update = ray.get(box[0])
+                if isinstance(self.policies, AdapterFiles):
+                    self.policies.files = update
+                else:
+                    load_adapter_state(self.policies, update)
                 if self.on_version is not None:
                     self.on_version(self.policies, version)
             self.version = version
@@ -161,8 +173,10 @@ class RolloutWorker:
         """Which process this is, the adapter version it holds and a checksum of it (to check a cluster)."""
         import os
 
-        return {"pid": os.getpid(), "version": self.version,
-                "checksum": adapter_checksum(self.policies) if self.policies is not None else None}
+        holds = ("nothing" if self.policies is None else
+                 "adapter files" if isinstance(self.policies, AdapterFiles) else "model")
+        return {"pid": os.getpid(), "version": self.version, "holds": holds,
+                "checksum": adapter_checksum(self.policies) if holds == "model" else None}
 
 
 class RayRollouts:
@@ -190,7 +204,8 @@ class RayRollouts:
             max_restarts=self.config.max_restarts, max_task_retries=self.config.max_task_retries,
             max_concurrency=self.config.concurrency_per_worker)
         spec = PolicySpec.of(policies) if policies is not None else None
-        self.workers = [actor.remote(factory, spec, judge, dict(agents or {})) for _ in range(self.config.workers)]
+        self.workers = [actor.remote(factory, spec, judge, dict(agents or {}), self.config.load_base)
+                        for _ in range(self.config.workers)]
         try:  # wait until every worker has built its team, so a broken factory or model path fails here, once
             ray.get([w.info.remote() for w in self.workers])
         except ray.exceptions.RayError as exc:
@@ -203,7 +218,8 @@ class RayRollouts:
     def publish(self, policies: AgentPolicies, version: int) -> None:
         """Put the adapter weights in the object store as `version`; each worker loads it on its next call."""
         ray = import_ray()
-        self.box = [ray.put(adapter_state(policies))]  # boxed: Ray passes it on by reference, not by value
+        update = adapter_state(policies) if self.config.load_base else AdapterFiles.of(policies).files
+        self.box = [ray.put(update)]  # boxed: Ray passes it on by reference, not by value
         self.version = version
 
     def rollout(self, jobs: Sequence[RolloutJob], *, progress: Callable[[], None] | None = None) -> list[RolloutResult]:

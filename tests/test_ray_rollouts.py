@@ -164,7 +164,9 @@ def test_ray_backend_wants_a_graph_factory_it_can_ship(tmp_path, tiny_path) -> N
         RayRollouts(lambda: (lock, compiled)[1])
 
 
-def test_workers_push_each_adapter_version_to_their_nodes_vllm_server(tmp_path, local_ray, tiny_path) -> None:
+@pytest.mark.parametrize("load_base", [True, False], ids=["worker-loads-base", "adapter-files-only"])
+def test_workers_push_each_adapter_version_to_their_nodes_vllm_server(tmp_path, local_ray, tiny_path,
+                                                                      load_base) -> None:
     from mappa_graph.policy import AgentPolicies
     from mappa_graph.testing.lora_server import LoRAServer
     from tests.graphs import served_team
@@ -172,8 +174,10 @@ def test_workers_push_each_adapter_version_to_their_nodes_vllm_server(tmp_path, 
     policies = AgentPolicies.from_pretrained(str(tiny_path), ["solver"])
     with LoRAServer.from_pretrained(str(tiny_path)) as server:
         pool = RayRollouts(partial(served_team, base_url=server.base_url), policies=policies,
-                           config=RayConfig(workers=1))
+                           config=RayConfig(workers=1, load_base=load_base))
         try:
+            [info] = ray.get([w.info.remote() for w in pool.workers])
+            assert info["holds"] == ("model" if load_base else "adapter files")
             pool.publish(policies, 0)
             first = pool.rollout(_jobs(["p", "q"]))
             assert [r.error for r in first] == [None, None]
@@ -200,5 +204,14 @@ def test_workers_push_each_adapter_version_to_their_nodes_vllm_server(tmp_path, 
 def test_a_worker_that_cannot_build_its_team_fails_at_start_with_the_cause(local_ray, tmp_path) -> None:
     from tests.graphs import broken_team
 
-    with pytest.raises(RuntimeError, match=r"(?s)Ray rollout workers could not start.*FileNotFoundError: no table at /nowhere"):
+    with pytest.raises(RuntimeError, match=r"(?s)could not start.*FileNotFoundError: no table at /nowhere"):
         RayRollouts(broken_team, config=RayConfig(workers=1))
+
+
+def test_a_worker_without_a_model_says_so_when_the_team_asks_it_for_one(local_ray, tiny_path) -> None:
+    from agents import arithmetic
+    from mappa_graph.policy import AgentPolicies
+
+    policies = AgentPolicies.from_pretrained(str(tiny_path), list(arithmetic.AGENTS))
+    with pytest.raises(RuntimeError, match=r"(?s)could not start.*holds no model \(RayConfig\(load_base=False\)\)"):
+        RayRollouts(arithmetic.team_graph, policies=policies, config=RayConfig(workers=1, load_base=False))

@@ -306,3 +306,47 @@ def test_real_vllm_serves_the_adapters_and_swaps_them_at_run_time(policies, tmp_
                 want = policies.token_logprobs(agent, [rec["prompt_token_ids"]], [rec["output_token_ids"]])[0]
                 assert torch.allclose(torch.tensor(rec["output_logprobs"]), want.detach(), atol=2e-3)
         assert "planner-v0" not in backend.models()
+
+
+def test_adapter_files_rebuild_the_folders_a_live_model_exports(tmp_path, tiny_path) -> None:
+    """What a model-less Ray worker writes for its vLLM server is byte for byte what export writes."""
+    from mappa_graph.adapter_files import AdapterFiles
+
+    policies = AgentPolicies.from_pretrained(str(tiny_path), ["planner", "coder", "reviewer"],
+                                             share={"reviewer": "coder"})
+    perturb(policies, seed=3)
+    files = AdapterFiles.of(policies)
+    assert files.adapters == ["planner", "coder"] and files.adapter_of["reviewer"] == "coder"
+    for adapter in files.adapters:
+        live = save_adapter(policies, adapter, tmp_path / "live" / adapter)
+        rebuilt = save_adapter(files, adapter, tmp_path / "files" / adapter)  # the same call VLLMBackend.sync makes
+        names = sorted(p.name for p in live.iterdir())
+        assert names == sorted(p.name for p in rebuilt.iterdir()) and "adapter_model.safetensors" in names
+        assert all((live / n).read_bytes() == (rebuilt / n).read_bytes() for n in names)
+    fresh = AgentPolicies.from_pretrained(str(tiny_path), ["planner"])
+    fresh.load_adapter("planner", tmp_path / "files" / "planner")
+    for name, p in policies.adapter_parameters("planner").items():
+        torch.testing.assert_close(fresh.adapter_parameters("planner")[name], p)
+    assert files.tokenizer.get_vocab() == policies.tokenizer.get_vocab()
+    with pytest.raises(KeyError, match="no files for adapter 'planner' yet"):
+        AdapterFiles(files.base, files.adapter_of).write_adapter("planner", tmp_path / "none")
+    with pytest.raises(TypeError, match="holds no model"):
+        files.chat_model("planner")
+
+
+def test_two_clients_of_one_server_never_fight_over_a_version_name(policies, server, backend, tmp_path) -> None:
+    """Ray workers on one node share its server: when another client takes `planner-v1` between this one's
+    name check and its load, this one loads under the next name instead of failing the rollouts."""
+    with VLLMBackend.connect(server.base_url, adapter_dir=tmp_path / "other") as other:
+        other.sync(policies, 1)
+        real = backend._fresh_name
+        stale = iter(["planner-v1"])  # what this client saw just before the other one loaded that name
+        backend._fresh_name = lambda stem: next(stale, None) or real(stem)
+        routes = backend.sync(policies, 1)
+        assert routes["planner"] == "planner-v1-r2" and routes["calculator"] == "calculator-v1-r2"
+        assert other.routes["planner"] == "planner-v1"  # the other client's version is untouched
+        assert {"planner-v1", "planner-v1-r2", "calculator-v1", "calculator-v1-r2"} <= set(server.adapters)
+        assert not (backend.adapter_dir / "planner-v1").exists()  # the folder for the lost name is cleaned up
+        reply = backend.chat_model("planner", greedy=True, max_new_tokens=8).invoke(PROMPT)
+        assert reply.response_metadata["mappa"]["adapter"] == "planner-v1-r2"
+        assert reply.content == _local(policies, "planner").content

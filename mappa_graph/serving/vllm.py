@@ -268,13 +268,7 @@ class VLLMBackend:
         """Export every adapter of `policies`, load each under `{adapter}-v{iteration}`, switch the agents
         using it to the new name and unload the version they used before. Returns agent -> served name.
         Runs between rollouts (Trainer calls on_update after the update), so no call is in flight."""
-        new: dict[str, str] = {}
-        for adapter in policies.adapters:
-            name = self._fresh_name(f"{adapter}-v{iteration}")
-            folder = save_adapter(policies, adapter, self.adapter_dir / name)
-            self.load_adapter(name, folder)
-            self.folders[name] = folder
-            new[adapter] = name
+        new = {adapter: self._load_fresh(policies, adapter, f"{adapter}-v{iteration}") for adapter in policies.adapters}
         with self._lock:  # every agent switches at once, after every new version loaded
             old = set(self.routes.values())
             for agent, adapter in policies.adapter_of.items():
@@ -284,6 +278,24 @@ class VLLMBackend:
         for name in sorted(stale):
             self.unload_adapter(name)
         return dict(self.routes)
+
+    def _load_fresh(self, policies: Any, adapter: str, stem: str, attempts: int = 8) -> str:
+        """Load `adapter` under an unused name. Several clients may share one server (Ray workers on a node):
+        when another one loads the name between our check and our load, take the next name instead."""
+        for _ in range(attempts):
+            name = self._fresh_name(stem)
+            folder = save_adapter(policies, adapter, self.adapter_dir / name)
+            try:
+                self.load_adapter(name, folder)
+            except VLLMError:
+                if name not in self.models():
+                    raise  # a real failure, not a name taken by another client
+                self._used.add(name)
+                shutil.rmtree(folder, ignore_errors=True)
+                continue
+            self.folders[name] = folder
+            return name
+        raise VLLMError(f"could not find an unused adapter name for {stem!r} on {self.base_url} in {attempts} tries")
 
     def _fresh_name(self, stem: str) -> str:
         served = set(self.models()) | self._used

@@ -51,6 +51,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ray", help="run rollouts on Ray: 'local', 'auto' or a cluster address")
     p.add_argument("--ray-workers", type=int, default=2, help="Ray rollout actors (one per node with --vllm)")
     p.add_argument("--ray-concurrency", type=int, default=1, help="episodes each Ray actor runs at once")
+    p.add_argument("--ray-cpus-per-worker", type=float, default=1.0, help="CPUs Ray reserves per actor")
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--tasks-per-iteration", type=int, default=6)
     p.add_argument("--held-out", type=int, default=12, help="held-out templated questions to evaluate on")
@@ -94,7 +95,8 @@ def main() -> None:
         lr=2e-3, ppo_epochs=2, max_new_tokens=64, reward=RewardConfig(filter_zero_signal=False),
         rollout_backend="ray" if args.ray else "local",
         ray=RayConfig(address=None if args.ray in (None, "local") else args.ray, workers=args.ray_workers,
-                      concurrency_per_worker=args.ray_concurrency, load_base=not args.vllm,  # vLLM generates
+                      concurrency_per_worker=args.ray_concurrency, cpus_per_worker=args.ray_cpus_per_worker,
+                      load_base=not args.vllm,  # with a server generating, workers need only the adapter files
                       runtime_env=None if args.ray in (None, "local") else {"working_dir": str(ROOT)}),
     )
     trainer = Trainer(graph, policies, judge, train, config, outcome=recipe.outcome, eval_tasks=held_out)

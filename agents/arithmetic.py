@@ -19,12 +19,9 @@ from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import HumanMessage, SystemMessage
 from langgraph.graph import END, START, StateGraph
 
-from mappa_graph.config import TrainConfig
-from mappa_graph.judge import VerifierJudge
-from mappa_graph.policy import AgentPolicies, LoraSettings
-from mappa_graph.sft import SFTExample, warm_start
-from mappa_graph.trainer import Task, Trainer
-from mappa_graph.traces import Action, Episode
+from mappa_graph import Action, AgentPolicies, Episode, Task, TrainConfig, Trainer, VerifierJudge
+from mappa_graph.models import LoraSettings
+from mappa_graph.models.sft import SFTExample, warm_start
 
 AGENTS = ("planner", "calculator")
 PLANNER_ROLE = "Write the expression."

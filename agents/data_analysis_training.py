@@ -18,13 +18,17 @@ from typing import Any
 from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
-from agents.data_analysis import (AGENTS, analyst_prompt, build_data_analysis_graph, coder_prompt, make_table_tool,
-                                  planner_prompt)
-from mappa_graph.chat import to_hf_messages
-from mappa_graph.judge import VerifierJudge
-from mappa_graph.sft import SFTExample
-from mappa_graph.trainer import Task
-from mappa_graph.traces import Action, Episode
+from agents.data_analysis import (
+    AGENTS,
+    analyst_prompt,
+    build_data_analysis_graph,
+    coder_prompt,
+    make_table_tool,
+    planner_prompt,
+)
+from mappa_graph import Action, Episode, Task, VerifierJudge
+from mappa_graph.models.chat import to_hf_messages
+from mappa_graph.models.sft import SFTExample
 from tools.dabench import DABenchTask, check_answer, format_score
 from tools.dabench_templates import code_for, task_columns
 

@@ -17,9 +17,8 @@ import time
 
 from langchain_openai import ChatOpenAI
 
-from mappa_graph.llm_judge import LLMJudge
+from mappa_graph import Action, Episode, LLMJudge
 from mappa_graph.testing import OpenAIServer
-from mappa_graph.traces import Action, Episode
 
 
 def make_episodes(n_actions: int, per_episode: int = 5) -> list[Episode]:

@@ -18,9 +18,6 @@ import json
 import resource
 import subprocess
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GOAL = 0.3
 SIZES = {  # Qwen2 configs built offline, with the tiny tokenizer's vocabulary
@@ -51,8 +48,9 @@ def measure(variant: str, phase: str, agents: int, size: str, device: str) -> di
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from mappa_graph.policy import AgentPolicies, LoraSettings
-    from mappa_graph.tiny import build_tiny_model
+    from mappa_graph import AgentPolicies
+    from mappa_graph.models import LoraSettings
+    from mappa_graph.models.tiny import build_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
     config = Qwen2Config(vocab_size=len(tokenizer), tie_word_embeddings=True, max_position_embeddings=1024,

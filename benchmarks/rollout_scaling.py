@@ -19,10 +19,10 @@ from typing import Any, TypedDict
 from langchain_core.messages import AIMessage, HumanMessage
 from langgraph.graph import END, START, StateGraph
 
-from mappa_graph.config import RayConfig
-from mappa_graph.ray_rollouts import RayRollouts
-from mappa_graph.rollouts import RolloutJob, rollout_metadata
 from mappa_graph.testing import ScriptedChatModel
+from mappa_graph.training import RayConfig
+from mappa_graph.training.ray_rollouts import RayRollouts
+from mappa_graph.training.rollouts import RolloutJob, rollout_metadata
 
 
 class TeamState(TypedDict, total=False):

@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from agents import arithmetic  # noqa: E402
-from mappa_graph.config import TrainConfig  # noqa: E402
-from mappa_graph.rewards import RewardConfig  # noqa: E402
+from agents import arithmetic
+from mappa_graph import (
+    RewardConfig,
+    TrainConfig,
+)
 
 
 def run(mode: str, seed: int, args: argparse.Namespace, out: Path) -> list[tuple[int, float]]:

@@ -7,17 +7,14 @@ interleaved in one process so drift hits both alike. Goal: instrumented / plain 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from langchain_core.messages import HumanMessage
 
-from langchain_core.messages import HumanMessage  # noqa: E402
-
-from mappa_graph import TraceStore, instrument  # noqa: E402
-from tests.graphs import build_graph  # noqa: E402
+from mappa_graph import TraceStore, instrument
+from tests.graphs import build_graph
 
 
 def main() -> None:

@@ -36,7 +36,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 BENCH_SITE = ROOT / ".bench_site"
 if BENCH_SITE.is_dir():
     sys.path.append(str(BENCH_SITE))  # appended: the venv's torch and transformers always win
@@ -44,11 +43,15 @@ if BENCH_SITE.is_dir():
 import torch  # noqa: E402
 
 from agents.arithmetic import warm_policies  # noqa: E402
-from mappa_graph.config import TrainConfig  # noqa: E402
-from mappa_graph.loss import clipped_surrogate, flatten_tokens  # noqa: E402
-from mappa_graph.policy import AgentPolicies, _first_fit_decreasing  # noqa: E402
-from mappa_graph.trainer import Trainer  # noqa: E402
-from mappa_graph.update import AgentOptimizers, Sample  # noqa: E402
+from mappa_graph import (
+    AgentPolicies,  # noqa: E402
+    TrainConfig,  # noqa: E402
+    Trainer,  # noqa: E402
+)
+from mappa_graph.models.policies import _first_fit_decreasing  # noqa: E402
+from mappa_graph.training.credit import Sample  # noqa: E402
+from mappa_graph.training.loss import clipped_surrogate, flatten_tokens  # noqa: E402
+from mappa_graph.training.optim import AgentOptimizers  # noqa: E402
 
 GOAL = 1.5
 INSTALL = (".venv/bin/pip install --target .bench_site --no-deps trl==1.16.0 datasets==5.2.0 pyarrow==26.0.1 "

@@ -10,17 +10,16 @@ and the exported adapters under --out. `--resume` continues a killed run from it
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from agents import arithmetic  # noqa: E402
-from mappa_graph import export_adapters  # noqa: E402
-from mappa_graph.config import TrainConfig  # noqa: E402
-from mappa_graph.metrics import plot_rewards  # noqa: E402
-from mappa_graph.rewards import RewardConfig  # noqa: E402
+from agents import arithmetic
+from mappa_graph import (
+    RewardConfig,
+    TrainConfig,
+    export_adapters,
+)
+from mappa_graph.training.metrics import plot_rewards
 
 
 def default_config(out: str, mode: str = "process", iterations: int = 40, seed: int = 0) -> TrainConfig:

@@ -23,23 +23,28 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from agents import data_analysis as team  # noqa: E402
-from agents import data_analysis_training as recipe  # noqa: E402
-from mappa_graph import AgentPolicies, LLMJudge, MixJudge, TrainConfig, Trainer, export_adapters  # noqa: E402
-from mappa_graph.config import RayConfig  # noqa: E402
-from mappa_graph.metrics import plot_rewards  # noqa: E402
-from mappa_graph.rewards import RewardConfig  # noqa: E402
-from mappa_graph.sft import warm_start  # noqa: E402
-from tools.dabench import load_dabench  # noqa: E402
-from tools.dabench_templates import templated_tasks  # noqa: E402
-from tools.sandbox import PythonSandbox  # noqa: E402
+from agents import data_analysis as team
+from agents import data_analysis_training as recipe
+from mappa_graph import (
+    AgentPolicies,
+    LLMJudge,
+    MixJudge,
+    RewardConfig,
+    TrainConfig,
+    Trainer,
+    export_adapters,
+)
+from mappa_graph.models.sft import warm_start
+from mappa_graph.training import RayConfig
+from mappa_graph.training.metrics import plot_rewards
+from tools.dabench import load_dabench
+from tools.dabench_templates import templated_tasks
+from tools.sandbox import PythonSandbox
 
 
 def parse_args() -> argparse.Namespace:

@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from agents import math_team  # noqa: E402
-from mappa_graph import export_adapters  # noqa: E402
-from mappa_graph.config import TrainConfig  # noqa: E402
-from mappa_graph.traces import Episode  # noqa: E402
-from tools.math_answers import load_math  # noqa: E402
+from agents import math_team
+from mappa_graph import (
+    Episode,
+    TrainConfig,
+    export_adapters,
+)
+from tools.math_answers import load_math
 
 
 def default_config(out: str, iterations: int = 4, seed: int = 0, max_new_tokens: int = 32) -> TrainConfig:

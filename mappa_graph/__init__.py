@@ -1,7 +1,8 @@
 """mappa_graph: fine-tune a team of LangGraph agents from per-action AI feedback (MAPPA).
 
-Only the names a user types are exported here; heavy parts (torch, peft, transformers) load on first use, so
-`import mappa_graph` and the tracer stay light.
+Only the names a user types are exported here; the rest lives in the subpackages along the data flow
+(`capture` -> `judging` -> `training` -> `serving`, with `models` for the policies). Heavy parts (torch, peft,
+transformers) load on first use, so `import mappa_graph` and the tracer stay light.
 """
 
 from __future__ import annotations
@@ -9,70 +10,49 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from .instrument import InstrumentedGraph, instrument
-from .judge import JudgeError, ProcessJudge, VerifierJudge
-from .store import TraceStore
-from .traces import Action, Episode, Reward, ToolCall, ToolResult
-from .tracing import TraceCollector
+from .capture import InstrumentedGraph, TraceCollector, TraceStore, instrument
+from .traces import Action, Episode, Reward, Task
 
 _LAZY = {
-    "AgentPolicies": "mappa_graph.policy",
-    "PolicyChatModel": "mappa_graph.chat",
-    "load_base_model": "mappa_graph.models",
-    "build_tiny_model": "mappa_graph.tiny",
-    "policy_gradient_step": "mappa_graph.update",
-    "export_adapters": "mappa_graph.export",
-    "AdapterManifest": "mappa_graph.export",
-    "load_manifest": "mappa_graph.export",
-    "LLMJudge": "mappa_graph.llm_judge",
-    "MixJudge": "mappa_graph.judges",
-    "OutcomeJudge": "mappa_graph.judges",
-    "judge_report": "mappa_graph.judge_report",
-    "override_score": "mappa_graph.judge_report",
-    "Trainer": "mappa_graph.trainer",
-    "Task": "mappa_graph.trainer",
-    "TrainConfig": "mappa_graph.config",
-    "RewardConfig": "mappa_graph.rewards",
-    "bind_adapters": "mappa_graph.bind",
-    "merge_adapter": "mappa_graph.bind",
-    "LocalBackend": "mappa_graph.serving.local",
-    "VLLMBackend": "mappa_graph.serving.vllm",
+    "AgentPolicies": "mappa_graph.models",
+    "PolicyChatModel": "mappa_graph.models",
+    "Judge": "mappa_graph.judging",
+    "LLMJudge": "mappa_graph.judging",
+    "MixJudge": "mappa_graph.judging",
+    "OutcomeJudge": "mappa_graph.judging",
+    "VerifierJudge": "mappa_graph.judging",
+    "judge_report": "mappa_graph.judging",
+    "override_score": "mappa_graph.judging",
+    "Trainer": "mappa_graph.training",
+    "TrainConfig": "mappa_graph.training",
+    "RewardConfig": "mappa_graph.training",
+    "export_adapters": "mappa_graph.serving",
+    "bind_adapters": "mappa_graph.serving",
 }
 
 __all__ = [
     "Action",
-    "AdapterManifest",
     "AgentPolicies",
     "Episode",
     "InstrumentedGraph",
-    "JudgeError",
-    "LocalBackend",
+    "Judge",
     "LLMJudge",
     "MixJudge",
     "OutcomeJudge",
+    "PolicyChatModel",
+    "Reward",
     "RewardConfig",
     "Task",
-    "TrainConfig",
-    "Trainer",
-    "PolicyChatModel",
-    "ProcessJudge",
-    "Reward",
-    "ToolCall",
-    "ToolResult",
     "TraceCollector",
     "TraceStore",
-    "VLLMBackend",
+    "TrainConfig",
+    "Trainer",
     "VerifierJudge",
     "bind_adapters",
-    "build_tiny_model",
     "export_adapters",
     "instrument",
     "judge_report",
-    "load_base_model",
-    "load_manifest",
-    "merge_adapter",
     "override_score",
-    "policy_gradient_step",
 ]
 
 __version__ = "0.1.0"

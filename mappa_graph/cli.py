@@ -32,7 +32,7 @@ class CommandError(Exception):
 
 
 def _open_store(path: str):  # -> TraceStore; imported here so `mappa --help` stays instant
-    from .store import TraceStore
+    from .capture.store import TraceStore
 
     if not Path(path).exists():
         raise CommandError(f"no trace store at {path}: pass the --db file a run wrote (e.g. runs/traces.db)")
@@ -51,7 +51,7 @@ def _report_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .judge_report import judge_report
+    from .judging.report import judge_report
 
     with _open_store(args.db) as store:
         if args.run is not None and args.run not in store.runs():
@@ -77,7 +77,7 @@ def _override_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _override(args: argparse.Namespace) -> int:
-    from .judge_report import override_score
+    from .judging.overrides import override_score
 
     if args.score.lower() in {"none", "null", "unscored"}:
         score = None
@@ -98,7 +98,7 @@ def _override(args: argparse.Namespace) -> int:
 
 
 def _train_arguments(parser: argparse.ArgumentParser) -> None:
-    from .config import add_config_arguments
+    from .training.config import add_config_arguments
 
     parser.add_argument("recipe", help="module:function that takes a TrainConfig and returns a Trainer "
                                        "(e.g. agents.arithmetic:build_trainer)")
@@ -125,9 +125,9 @@ def _load_recipe(spec: str) -> Callable[..., object]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .config import TrainConfig, config_from_args
-    from .export import export_adapters
-    from .metrics import plot_rewards
+    from .serving.export import export_adapters
+    from .training.config import TrainConfig, config_from_args
+    from .training.metrics import plot_rewards
 
     base = TrainConfig.from_file(args.config) if args.config else None
     config = config_from_args(args, base)
@@ -149,7 +149,7 @@ def _plot_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from .metrics import plot_rewards
+    from .training.metrics import plot_rewards
 
     if not Path(args.metrics).exists():
         raise CommandError(f"no metrics file at {args.metrics} (a run writes OUTPUT_DIR/metrics.jsonl)")
@@ -171,7 +171,7 @@ def _traces(args: argparse.Namespace) -> int:
 
 
 def _export_arguments(parser: argparse.ArgumentParser) -> None:
-    from .config import add_config_arguments
+    from .training.config import add_config_arguments
 
     parser.add_argument("recipe", help="module:function that builds the run's Trainer from a TrainConfig "
                                        "(the recipe `mappa train` ran, e.g. agents.arithmetic:build_trainer)")
@@ -182,9 +182,9 @@ def _export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .checkpoint import latest_checkpoint, load_checkpoint
-    from .config import TrainConfig, config_from_args
-    from .export import export_adapters
+    from .serving.export import export_adapters
+    from .training.checkpoint import latest_checkpoint, load_checkpoint
+    from .training.config import TrainConfig, config_from_args
 
     base = TrainConfig.from_file(args.config) if args.config else None
     if args.output_dir is None and base is None:
@@ -236,7 +236,7 @@ def _serve(args: argparse.Namespace) -> int:
     import shlex
     import subprocess
 
-    from .export import load_manifest
+    from .serving.export import load_manifest
     from .serving.vllm import require_vllm, vllm_command
 
     try:

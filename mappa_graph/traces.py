@@ -82,6 +82,14 @@ class Action(BaseModel):
         return self.kind == "llm" and bool(self.output_token_ids) and self.prompt_token_ids is not None
 
 
+class Task(BaseModel):
+    """One task: the graph's input, and the reference the judge and outcome may check against."""
+
+    id: str
+    input: Any
+    reference: Any = None
+
+
 class Episode(BaseModel):
     """One run of the graph on one task: its input, every Action in order, the final state and outcome."""
 

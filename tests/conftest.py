@@ -31,17 +31,16 @@ socket.socket.connect = _guarded_connect  # type: ignore[method-assign]
 
 @pytest.fixture(scope="session")
 def tiny_path() -> Path:
-    from mappa_graph.tiny import build_tiny_model
+    from mappa_graph.models.tiny import build_tiny_model
 
     return build_tiny_model()
 
 
 @pytest.fixture(scope="session")
 def dabench_dir() -> Path:
-    path = Path(os.environ.get("MAPPA_DABENCH_DIR", ROOT.parent / "shared" / "data" / "dabench"))
-    if not (path / "questions.jsonl").exists():
-        pytest.skip(f"DABench data not found at {path} (set MAPPA_DABENCH_DIR)")
-    return path
+    from tools.dabench import dabench_dir as shipped_dabench_dir
+
+    return shipped_dabench_dir()  # the copy in examples/data: a missing file is a failure, not a skip
 
 
 @pytest.fixture(scope="module")

@@ -108,3 +108,7 @@ def served_team(policies: Any, base_url: str) -> Any:
 def broken_team() -> Any:
     """A factory that fails inside the worker, as one whose data is missing on that node would."""
     raise FileNotFoundError("no table at /nowhere")
+
+
+def task_input(n: int) -> dict:
+    return {"messages": [HumanMessage(f"solve task-{n}")]}

@@ -1,4 +1,5 @@
-from mappa_graph import Action, Episode, Reward, ToolCall, ToolResult
+from mappa_graph import Action, Episode, Reward
+from mappa_graph.traces import ToolCall, ToolResult
 
 
 def test_episode_json_round_trip_keeps_everything() -> None:

@@ -1,7 +1,6 @@
 """DABench (InfiAgent-DABench dev split): load the tasks and check `@name[value]` answers against the labels.
 
-The data lives outside the repo, at ../shared/data/dabench (override with MAPPA_DABENCH_DIR); see the README
-there. Checking follows the benchmark's rule, made explicit: a field is right when its value matches the
+The data ships in examples/data/dabench (override with MAPPA_DABENCH_DIR); see the README there. Checking follows the benchmark's rule, made explicit: a field is right when its value matches the
 label, numbers compared at the precision the label is written with, strings case-insensitively, lists
 element by element; a response is right when every labelled field is.
 """
@@ -34,9 +33,9 @@ _QUOTES = "\"'`\u201c\u201d\u2018\u2019"
 
 
 def dabench_dir() -> Path:
-    """The DABench folder: $MAPPA_DABENCH_DIR, else ../shared/data/dabench beside the repo."""
+    """The DABench folder: $MAPPA_DABENCH_DIR, else the copy shipped in examples/data/dabench."""
     override = os.environ.get(ENV_VAR)
-    default = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "dabench"
+    default = Path(__file__).resolve().parents[1] / "examples" / "data" / "dabench"
     folder = Path(override) if override else default
     if not (folder / "questions.jsonl").is_file() or not (folder / "labels.jsonl").is_file():
         raise FileNotFoundError(

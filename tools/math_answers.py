@@ -1,7 +1,6 @@
 """Competition math answers: extract the `\\boxed{}` answer, normalise it, check it, and load the problems.
 
-The bundled AIME/AMC sets live outside the repo, at ../shared/data/math (override with MAPPA_MATH_DIR); see
-the README there. Their answers are integers, stored as strings with leading zeros ("023"), as floats (AMC:
+The AIME/AMC sets ship in examples/data/math (override with MAPPA_MATH_DIR); see the README there. Their answers are integers, stored as strings with leading zeros ("023"), as floats (AMC:
 `142.0`), once with a degree sign (`336^\\circ`) and once as alternatives ("080 or 081 (both were
 accepted)"). Checking is exact: both sides are normalised, compared as rational numbers when both parse as
 numbers (integers, decimals, `a/b`, `\\frac{a}{b}`), else as normalised strings.
@@ -168,9 +167,9 @@ class MathProblem(BaseModel):
 
 
 def math_dir() -> Path:
-    """The bundled math folder: $MAPPA_MATH_DIR, else ../shared/data/math beside the repo."""
+    """The bundled math folder: $MAPPA_MATH_DIR, else the copy shipped in examples/data/math."""
     override = os.environ.get(ENV_VAR)
-    folder = Path(override) if override else Path(__file__).resolve().parents[1].parent / "shared" / "data" / "math"
+    folder = Path(override) if override else Path(__file__).resolve().parents[1] / "examples" / "data" / "math"
     if not folder.is_dir() or not any(folder.glob("*.json")):
         raise FileNotFoundError(
             f"math data not found in {folder} (expected the AIME/AMC JSON files there, e.g. aime_2025.json); "

@@ -1,4 +1,6 @@
-"""Rollout and production backends with one surface: `chat_model(agent)`, `load_adapter`, `sync(policies,
+"""Serving: export adapters with a manifest, bind them into production graphs, and the backends that serve them.
+
+Backends share one surface: `chat_model(agent)`, `load_adapter`, `sync(policies,
 iteration)` (usable as `Trainer(on_update=backend.sync)`).
 
 - `LocalBackend`: transformers + peft in this process (AgentPolicies).
@@ -14,10 +16,14 @@ from importlib import import_module
 from typing import Any
 
 _LAZY = {
+    "AdapterManifest": "mappa_graph.serving.export",
+    "export_adapters": "mappa_graph.serving.export",
+    "load_manifest": "mappa_graph.serving.export",
+    "bind_adapters": "mappa_graph.serving.bind",
+    "merge_adapter": "mappa_graph.serving.bind",
     "LocalBackend": "mappa_graph.serving.local",
     "VLLMBackend": "mappa_graph.serving.vllm",
     "VLLMChatModel": "mappa_graph.serving.vllm",
-    "VLLMError": "mappa_graph.serving.vllm",
     "vllm_command": "mappa_graph.serving.vllm",
 }
 

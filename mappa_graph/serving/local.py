@@ -13,14 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import BaseMismatchError
+
 if TYPE_CHECKING:
-    from ..chat import PolicyChatModel
-    from ..export import AdapterManifest
-    from ..policy import AgentPolicies
-
-
-class BaseMismatchError(ValueError):
-    """The base model loaded is not the one the adapters were trained on."""
+    from ..models.chat import PolicyChatModel
+    from ..models.policies import AgentPolicies
+    from .export import AdapterManifest
 
 
 class LocalBackend:
@@ -40,9 +38,9 @@ class LocalBackend:
     ) -> LocalBackend:
         """Load the manifest's base (or `base_model`), check it is the one the adapters were trained on, and
         load the adapters of `nodes` (default: all), one per agent."""
-        from ..export import base_fingerprint, load_manifest
-        from ..models import load_base_model
-        from ..policy import AgentPolicies, LoraSettings
+        from ..models.loading import load_base_model
+        from ..models.policies import AgentPolicies, LoraSettings
+        from .export import base_fingerprint, load_manifest
 
         if not isinstance(manifest, _manifest_type()):
             manifest = load_manifest(manifest)
@@ -121,7 +119,7 @@ class LocalBackend:
 
 
 def _manifest_type() -> type:
-    from ..export import AdapterManifest
+    from .export import AdapterManifest
 
     return AdapterManifest
 

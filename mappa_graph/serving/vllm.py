@@ -45,17 +45,15 @@ try:
 except ImportError as exc:  # the optional extra
     raise ImportError(f'the vLLM backend needs langchain-openai: pip install "mappa-graph[vllm]" ({exc})') from exc
 
-from ..chat import call_seed, to_hf_messages
-from ..export import AdapterManifest, adapter_rank, load_manifest, save_adapter
+from ..errors import VLLMError
 from ..messages import MAPPA_KEY, content_text
+from ..models.chat import call_seed, to_hf_messages
+from .adapter_files import adapter_rank, save_adapter
+from .export import AdapterManifest, load_manifest
 
 INSTALL_HINT = 'pip install "mappa-graph[vllm]"'
 _VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank accepts
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
-
-
-class VLLMError(RuntimeError):
-    """The server refused or failed a request (the message carries its answer)."""
 
 
 def vllm_command(
@@ -75,7 +73,7 @@ def vllm_command(
     """The vLLM OpenAI-server command line for `model` with LoRA on and `adapters` (name -> folder) loaded at
     start. `--logprobs-mode processed_logprobs` makes the reported log-probs those of the distribution that
     was sampled (temperature applied), which the loss's importance ratio needs; None leaves vLLM's default."""
-    from ..models import resolve_model_path
+    from ..models.loading import resolve_model_path
 
     adapters = dict(adapters or {})
     rank = max_lora_rank or max((adapter_rank(p) for p in adapters.values()), default=16)
@@ -320,7 +318,7 @@ class VLLMBackend:
             self.route(entry.agent, entry.adapter_name)
 
     def check_base(self, manifest: AdapterManifest) -> None:
-        from ..models import resolve_model_path
+        from ..models.loading import resolve_model_path
 
         wanted = {manifest.base_model, manifest.base_model_path, resolve_model_path(manifest.base_model)} - {None}
         have = {self.base_model, self.base_root} - {None}
@@ -347,7 +345,7 @@ class VLLMBackend:
             if self._tokenizer is None:
                 from transformers import AutoTokenizer
 
-                from ..models import resolve_model_path
+                from ..models.loading import resolve_model_path
 
                 path = self._tokenizer_path or self.base_root or self.base_model
                 try:

@@ -30,12 +30,12 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..chat import _cut_at_stop, parse_tool_calls
 from ..messages import content_text
+from ..models.chat import _cut_at_stop, parse_tool_calls
 from .openai_server import OpenAIServer, Request, Response, error_response
 
 if TYPE_CHECKING:
-    from ..policy import AgentPolicies
+    from ..models.policies import AgentPolicies
 
 _ROLES = {"developer": "system"}
 
@@ -72,7 +72,7 @@ class LoRAServer:
     @classmethod
     def from_pretrained(cls, name_or_path: str, **kwargs: Any) -> LoRAServer:
         """A server on its own copy of the base. AgentPolicies needs one agent; its adapter is never served."""
-        from ..policy import AgentPolicies
+        from ..models.policies import AgentPolicies
 
         return cls(AgentPolicies.from_pretrained(name_or_path, ["_unserved"]), **kwargs)
 

@@ -1,0 +1,250 @@
+"""instrument(graph): the same compiled LangGraph app, recording one Episode per call.
+
+Each call gets its own TraceCollector merged into the call's config (callbacks are added, never replaced), so
+concurrent calls cannot mix their actions and the graph's own behaviour and outputs stay exactly as they were.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from langchain_core.callbacks import BaseCallbackManager
+from langchain_core.runnables import RunnableConfig
+
+from ..traces import Episode
+from .collector import TraceCollector
+from .store import TraceStore
+
+_INTERNAL_NODES = {"__start__", "__end__"}
+
+
+def graph_nodes(graph: Any) -> list[str]:
+    return [name for name in getattr(graph, "nodes", {}) if name not in _INTERNAL_NODES]
+
+
+def _check_compiled(graph: Any) -> None:
+    from langgraph.graph import StateGraph
+    from langgraph.pregel import Pregel
+
+    if isinstance(graph, StateGraph):
+        raise TypeError(
+            "instrument() needs a compiled graph, got an uncompiled StateGraph: call graph.compile() first, "
+            "then instrument(graph.compile())"
+        )
+    if not isinstance(graph, Pregel):
+        raise TypeError(
+            f"instrument() needs a compiled LangGraph graph (CompiledStateGraph / Pregel), got "
+            f"{type(graph).__name__}"
+        )
+
+
+def _with_handler(config: RunnableConfig | None, handler: TraceCollector, extra_metadata: Mapping[str, Any]) -> RunnableConfig:
+    merged: dict[str, Any] = dict(config or {})
+    callbacks = merged.get("callbacks")
+    if callbacks is None:
+        merged["callbacks"] = [handler]
+    elif isinstance(callbacks, BaseCallbackManager):
+        manager = callbacks.copy()
+        manager.add_handler(handler, inherit=True)
+        merged["callbacks"] = manager
+    else:
+        merged["callbacks"] = [*callbacks, handler]
+    if extra_metadata:
+        merged["metadata"] = {**(merged.get("metadata") or {}), **extra_metadata}
+    return merged  # type: ignore[return-value]
+
+
+class _TraceWorker(ThreadPoolExecutor):
+    """One background thread that builds and stores episodes in the order their runs ended, remembering
+    each job so `flush()` can wait for them and surface a failed write instead of losing it."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1, thread_name_prefix="mappa-trace")
+        self._jobs: list[Future[Any]] = []
+        self._jobs_lock = threading.Lock()
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
+        job = super().submit(fn, *args, **kwargs)
+        with self._jobs_lock:
+            self._jobs.append(job)
+        return job
+
+    def flush(self) -> None:
+        with self._jobs_lock:
+            jobs, self._jobs = self._jobs, []
+        errors = [job.exception() for job in jobs]
+        for error in errors:
+            if error is not None:
+                raise error
+
+
+class InstrumentedGraph:
+    """Behaves like the compiled graph it wraps (`invoke`, `ainvoke`, `stream`, `astream`, `batch`, `abatch`,
+    and every other attribute by delegation); each call also yields an Episode, kept in `episodes` (the most
+    recent `keep` of them) and written to the store when one is given.
+
+    With `background=True` (the default) episodes are built and stored on a worker thread, off the graph's
+    hot path; `episodes`, `last_episode`, `run_episode` and `flush()` wait for it, so nothing is missed.
+    """
+
+    def __init__(
+        self,
+        graph: Any,
+        *,
+        store: TraceStore | None = None,
+        run: str = "default",
+        agents: Mapping[str, str] | None = None,
+        keep: int = 1000,
+        background: bool = True,
+    ) -> None:
+        _check_compiled(graph)
+        nodes = graph_nodes(graph)
+        unknown = sorted(set(agents or {}) - set(nodes))
+        if unknown:
+            raise ValueError(
+                f"unknown node {', '.join(repr(n) for n in unknown)} in agents= (graph nodes: {', '.join(nodes)})"
+            )
+        self.graph = graph
+        self.store = store
+        self.run = run
+        self.agents = dict(agents or {})
+        self.keep = keep
+        self._episodes: list[Episode] = []
+        self._episodes_lock = threading.Lock()
+        self._worker = _TraceWorker() if background else None
+
+    # ---- episode plumbing -----------------------------------------------------------------------------
+    def _collector(self) -> TraceCollector:
+        return TraceCollector(run=self.run, agents=self.agents, on_episode=self._record, executor=self._worker)
+
+    def _record(self, episode: Episode) -> None:
+        with self._episodes_lock:
+            self._episodes.append(episode)
+            if len(self._episodes) > self.keep:
+                del self._episodes[: len(self._episodes) - self.keep]
+        if self.store is not None:
+            self.store.add_episode(episode)
+
+    def flush(self) -> None:
+        """Wait until every finished call's Episode is built and stored; re-raises a failed store write."""
+        if self._worker is not None:
+            self._worker.flush()
+
+    @property
+    def episodes(self) -> list[Episode]:
+        self.flush()
+        with self._episodes_lock:
+            return list(self._episodes)
+
+    def _config(self, config: RunnableConfig | None, task_id: str | None = None, reference: Any = None):
+        collector = self._collector()
+        extra: dict[str, Any] = {}
+        if task_id is not None:
+            extra["mappa_task_id"] = task_id
+        if reference is not None:
+            extra["mappa_reference"] = reference
+        return _with_handler(config, collector, extra), collector
+
+    @property
+    def last_episode(self) -> Episode | None:
+        episodes = self.episodes
+        return episodes[-1] if episodes else None
+
+    # ---- the Runnable interface ---------------------------------------------------------------------
+    def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
+        cfg, _ = self._config(config)
+        return self.graph.invoke(input, cfg, **kwargs)
+
+    async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
+        cfg, _ = self._config(config)
+        return await self.graph.ainvoke(input, cfg, **kwargs)
+
+    def stream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[Any]:
+        cfg, _ = self._config(config)
+        yield from self.graph.stream(input, cfg, **kwargs)
+
+    async def astream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> AsyncIterator[Any]:
+        cfg, _ = self._config(config)
+        async for chunk in self.graph.astream(input, cfg, **kwargs):
+            yield chunk
+
+    def _batch_configs(self, inputs: Sequence[Any], config: RunnableConfig | Sequence[RunnableConfig] | None):
+        if config is None or isinstance(config, Mapping):
+            configs = [config] * len(inputs)
+        else:
+            configs = list(config)
+            if len(configs) != len(inputs):
+                raise ValueError(f"batch got {len(inputs)} inputs but {len(configs)} configs; pass one or the same number")
+        return [self._config(c)[0] for c in configs]
+
+    def batch(self, inputs: Sequence[Any], config: RunnableConfig | Sequence[RunnableConfig] | None = None, **kwargs: Any) -> list[Any]:
+        return self.graph.batch(list(inputs), self._batch_configs(inputs, config), **kwargs)
+
+    async def abatch(
+        self, inputs: Sequence[Any], config: RunnableConfig | Sequence[RunnableConfig] | None = None, **kwargs: Any
+    ) -> list[Any]:
+        return await self.graph.abatch(list(inputs), self._batch_configs(inputs, config), **kwargs)
+
+    # ---- episodes with task context (what the trainer uses) ------------------------------------------
+    def run_episode(
+        self,
+        input: Any,
+        *,
+        task_id: str | None = None,
+        reference: Any = None,
+        config: RunnableConfig | None = None,
+        **kwargs: Any,
+    ) -> tuple[Any, Episode]:
+        """Run the graph once on a task and return (output, Episode); the episode carries task id and reference.
+
+        A graph that raises still yields its (partial) episode, stored with the error, before the error
+        propagates: nothing already recorded is lost.
+        """
+        cfg, collector = self._config(config, task_id, reference)
+        try:
+            output = self.graph.invoke(input, cfg, **kwargs)
+        finally:
+            collector.wait()
+        return output, collector.episodes[-1]
+
+    async def arun_episode(
+        self,
+        input: Any,
+        *,
+        task_id: str | None = None,
+        reference: Any = None,
+        config: RunnableConfig | None = None,
+        **kwargs: Any,
+    ) -> tuple[Any, Episode]:
+        cfg, collector = self._config(config, task_id, reference)
+        try:
+            output = await self.graph.ainvoke(input, cfg, **kwargs)
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, collector.wait)
+        return output, collector.episodes[-1]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.graph, name)
+
+    def __repr__(self) -> str:
+        return f"InstrumentedGraph({self.graph!r}, run={self.run!r})"
+
+
+def instrument(
+    graph: Any,
+    *,
+    store: TraceStore | str | Path | None = None,
+    run: str = "default",
+    agents: Mapping[str, str] | None = None,
+    background: bool = True,
+) -> InstrumentedGraph:
+    """Wrap a compiled LangGraph app so each call records an Episode (into `store` when given: a TraceStore
+    or a path to its SQLite file). `agents` maps node names to agent names when they differ."""
+    if isinstance(store, (str, Path)):
+        store = TraceStore(store)
+    return InstrumentedGraph(graph, store=store, run=run, agents=agents, background=background)

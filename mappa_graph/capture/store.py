@@ -1,0 +1,248 @@
+"""The embedded trace store: episodes, actions and rewards in one SQLite file (WAL, one writer).
+
+Each row keeps the full pydantic JSON plus the columns queries filter on, so the schema can grow without
+migrations of the payload. Every write is one transaction: an episode lands with all its actions or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ..traces import Action, Episode, Reward
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS episodes (
+    id TEXT PRIMARY KEY, run TEXT NOT NULL, task_id TEXT, outcome REAL, error TEXT,
+    started_at REAL NOT NULL, data TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS episodes_run ON episodes(run, started_at);
+CREATE TABLE IF NOT EXISTS actions (
+    id TEXT PRIMARY KEY, episode_id TEXT NOT NULL REFERENCES episodes(id), run TEXT NOT NULL,
+    agent TEXT NOT NULL, node TEXT NOT NULL, idx INTEGER NOT NULL, data TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS actions_episode ON actions(episode_id, idx);
+CREATE INDEX IF NOT EXISTS actions_run_agent ON actions(run, agent);
+CREATE TABLE IF NOT EXISTS rewards (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, action_id TEXT NOT NULL,
+    episode_id TEXT NOT NULL, run TEXT NOT NULL, agent TEXT NOT NULL, judge TEXT NOT NULL, score REAL,
+    data TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS rewards_action ON rewards(action_id);
+CREATE INDEX IF NOT EXISTS rewards_run_agent ON rewards(run, agent);
+"""
+
+
+class TraceStore:
+    """SQLite trace store. Safe to share between threads (one connection behind a lock); open the same file
+    from another process for reading while a run writes (WAL)."""
+
+    def __init__(self, path: str | Path = ":memory:") -> None:
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(_SCHEMA)  # idempotent DDL; executescript commits on its own
+        with self._tx():
+            row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            if row is None:
+                self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif int(row[0]) > SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"trace store {self.path} has schema version {row[0]}, newer than this mappa_graph "
+                    f"({SCHEMA_VERSION}): upgrade mappa-graph to read it"
+                )
+        self._closed = False
+
+    # ---- lifecycle --------------------------------------------------------------------------------------
+    @contextmanager
+    def _tx(self) -> Iterator[None]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._db.close()
+                self._closed = True
+
+    def __enter__(self) -> TraceStore:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- writes -----------------------------------------------------------------------------------------
+    def add_episode(self, episode: Episode) -> None:
+        self.add_episodes([episode])
+
+    def add_episodes(self, episodes: Iterable[Episode]) -> None:
+        with self._tx():
+            for episode in episodes:
+                head = episode.model_dump(mode="json", exclude={"actions"})
+                self._db.execute(
+                    "INSERT OR REPLACE INTO episodes VALUES (?,?,?,?,?,?,?)",
+                    (episode.id, episode.run, episode.task_id, episode.outcome, episode.error,
+                     episode.started_at, json.dumps(head)),
+                )
+                self._db.execute("DELETE FROM actions WHERE episode_id=?", (episode.id,))
+                self._db.executemany(
+                    "INSERT INTO actions VALUES (?,?,?,?,?,?,?)",
+                    [
+                        (a.id, episode.id, episode.run, a.agent, a.node, a.index, a.model_dump_json())
+                        for a in episode.actions
+                    ],
+                )
+
+    def add_rewards(self, rewards: Iterable[Reward]) -> None:
+        rewards = list(rewards)
+        with self._tx():
+            runs = {}
+            for reward in rewards:
+                if reward.episode_id not in runs:
+                    row = self._db.execute("SELECT run FROM episodes WHERE id=?", (reward.episode_id,)).fetchone()
+                    if row is None:
+                        raise KeyError(
+                            f"reward for unknown episode {reward.episode_id!r}: store the episode before its rewards"
+                        )
+                    runs[reward.episode_id] = row[0]
+                self._db.execute(
+                    "INSERT OR REPLACE INTO rewards (id, action_id, episode_id, run, agent, judge, score, data) "
+                    "VALUES (?,?,?,?,?,?,?,?)",
+                    (reward.id, reward.action_id, reward.episode_id, runs[reward.episode_id], reward.agent,
+                     reward.judge, reward.score, reward.model_dump_json()),
+                )
+
+    def set_outcome(self, episode_id: str, outcome: float | None) -> None:
+        with self._tx():
+            row = self._db.execute("SELECT data FROM episodes WHERE id=?", (episode_id,)).fetchone()
+            if row is None:
+                raise KeyError(f"unknown episode {episode_id!r}")
+            data = json.loads(row[0])
+            data["outcome"] = outcome
+            self._db.execute(
+                "UPDATE episodes SET outcome=?, data=? WHERE id=?", (outcome, json.dumps(data), episode_id)
+            )
+
+    # ---- reads ------------------------------------------------------------------------------------------
+    def _query(self, sql: str, params: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return self._db.execute(sql, tuple(params)).fetchall()
+
+    def episode(self, episode_id: str) -> Episode:
+        rows = self._query("SELECT data FROM episodes WHERE id=?", (episode_id,))
+        if not rows:
+            raise KeyError(f"unknown episode {episode_id!r}")
+        return self._assemble(rows[0][0])
+
+    def _assemble(self, head_json: str) -> Episode:
+        head = json.loads(head_json)
+        rows = self._query("SELECT data FROM actions WHERE episode_id=? ORDER BY idx", (head["id"],))
+        head["actions"] = [json.loads(r[0]) for r in rows]
+        return Episode.model_validate(head)
+
+    def episodes(
+        self, *, run: str | None = None, agent: str | None = None, task_id: str | None = None, limit: int | None = None
+    ) -> list[Episode]:
+        sql, params = "SELECT data FROM episodes WHERE 1=1", []
+        if run is not None:
+            sql, params = sql + " AND run=?", [*params, run]
+        if task_id is not None:
+            sql, params = sql + " AND task_id=?", [*params, task_id]
+        if agent is not None:
+            sql += " AND id IN (SELECT episode_id FROM actions WHERE agent=?)"
+            params.append(agent)
+        sql += " ORDER BY started_at, rowid"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        return [self._assemble(r[0]) for r in self._query(sql, params)]
+
+    def action(self, action_id: str) -> Action:
+        rows = self._query("SELECT data, episode_id FROM actions WHERE id=?", (action_id,))
+        if not rows:
+            raise KeyError(f"unknown action {action_id!r}")
+        action = Action.model_validate_json(rows[0][0])
+        action.episode_id = action.episode_id or rows[0][1]
+        return action
+
+    def actions(self, *, run: str | None = None, agent: str | None = None, episode_id: str | None = None) -> list[Action]:
+        sql, params = "SELECT data FROM actions WHERE 1=1", []
+        for column, value in (("run", run), ("agent", agent), ("episode_id", episode_id)):
+            if value is not None:
+                sql, params = sql + f" AND {column}=?", [*params, value]
+        sql += " ORDER BY rowid"
+        return [Action.model_validate_json(r[0]) for r in self._query(sql, params)]
+
+    def rewards(
+        self,
+        *,
+        run: str | None = None,
+        agent: str | None = None,
+        episode_id: str | None = None,
+        action_id: str | None = None,
+        judge: str | None = None,
+    ) -> list[Reward]:
+        sql, params = "SELECT data FROM rewards WHERE 1=1", []
+        for column, value in (("run", run), ("agent", agent), ("episode_id", episode_id), ("action_id", action_id), ("judge", judge)):
+            if value is not None:
+                sql, params = sql + f" AND {column}=?", [*params, value]
+        sql += " ORDER BY seq"
+        return [Reward.model_validate_json(r[0]) for r in self._query(sql, params)]
+
+    def runs(self) -> list[str]:
+        return [r[0] for r in self._query("SELECT DISTINCT run FROM episodes ORDER BY run")]
+
+    def count(self, table: str = "episodes") -> int:
+        if table not in {"episodes", "actions", "rewards"}:
+            raise ValueError(f"unknown table {table!r} (tables: episodes, actions, rewards)")
+        return int(self._query(f"SELECT COUNT(*) FROM {table}")[0][0])
+
+    def delete_episodes_after(self, run: str, iteration: int) -> int:
+        """Drop a run's episodes (with their actions and rewards) from iterations after `iteration`: what a
+        resumed trainer redoes. Returns how many were dropped."""
+        with self._tx():
+            ids = [
+                r[0]
+                for r in self._db.execute(
+                    "SELECT id FROM episodes WHERE run=? AND CAST(json_extract(data, '$.metadata.iteration') AS INTEGER) > ?",
+                    (run, iteration),
+                ).fetchall()
+            ]
+            for table, column in (("rewards", "episode_id"), ("actions", "episode_id"), ("episodes", "id")):
+                self._db.executemany(f"DELETE FROM {table} WHERE {column}=?", [(i,) for i in ids])
+        return len(ids)
+
+    # ---- export -----------------------------------------------------------------------------------------
+    def iter_records(self, *, run: str | None = None) -> Iterator[dict[str, Any]]:
+        for episode in self.episodes(run=run):
+            record = episode.model_dump(mode="json")
+            record["rewards"] = [r.model_dump(mode="json") for r in self.rewards(episode_id=episode.id)]
+            yield record
+
+    def export_jsonl(self, path: str | Path, *, run: str | None = None) -> int:
+        """Write one JSON line per episode (with its actions and rewards); returns the number written."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        n = 0
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        with tmp.open("w") as f:
+            for record in self.iter_records(run=run):
+                f.write(json.dumps(record) + "\n")
+                n += 1
+        tmp.replace(path)
+        return n

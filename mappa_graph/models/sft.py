@@ -1,0 +1,97 @@
+"""Supervised warm start: teach a base model the team's formats before RL, on synthetic traces.
+
+A policy-gradient run needs a policy that sometimes succeeds. Real runs start from an instruction-tuned
+model; the offline tiny model starts from random weights, so the learning demos first fine-tune the whole
+base on synthetic (prompt, reply) pairs of every agent, then train one LoRA adapter per agent with RL. The
+result is cached by a hash of the data and settings, so tests and demos pay for it once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import BaseModel
+from tqdm.auto import tqdm
+
+from .loading import load_base_model
+from .tiny import cache_root
+
+
+class SFTExample(BaseModel):
+    """One supervised pair: chat messages (HF format) and the assistant reply to learn."""
+
+    messages: list[dict]
+    reply: str
+    tools: list[dict] | None = None
+
+
+def warm_start(
+    base: str,
+    examples: Sequence[SFTExample],
+    *,
+    steps: int = 300,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    seed: int = 0,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+) -> Path:
+    """Full fine-tune of `base` on the examples (loss on reply tokens only); returns the saved folder."""
+    import torch
+
+    key = hashlib.sha256(
+        json.dumps([base, [e.model_dump() for e in examples], steps, batch_size, lr, seed]).encode()
+    ).hexdigest()[:16]
+    target = Path(cache_dir) if cache_dir is not None else cache_root() / f"warm-{key}"
+    if (target / "warm_start.json").exists():
+        return target
+    model, tokenizer, _ = load_base_model(base)
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    encoded = []
+    eos = tokenizer.eos_token or ""
+    for ex in examples:
+        prompt_text = tokenizer.apply_chat_template(ex.messages, tools=ex.tools, tokenize=False,
+                                                    add_generation_prompt=True)
+        prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        reply = tokenizer(ex.reply + eos, add_special_tokens=False)["input_ids"]
+        encoded.append((prompt, reply))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / steps))
+    model.train()
+    pad = tokenizer.pad_token_id or 0
+    losses = []
+    for step in tqdm(range(steps), desc="warm start", disable=not progress, leave=False):
+        batch = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
+        width = max(len(p) + len(r) for p, r in batch)
+        ids = torch.full((batch_size, width), pad, dtype=torch.long)
+        labels = torch.full((batch_size, width), -100, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, (p, r) in enumerate(batch):
+            seq = p + r
+            ids[i, : len(seq)] = torch.tensor(seq)
+            labels[i, len(p) : len(seq)] = torch.tensor(r)
+            mask[i, : len(seq)] = 1
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    model.eval()
+    tmp = target.with_name(f".{target.name}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "warm_start.json").write_text(json.dumps({"base": base, "steps": steps, "final_loss": losses[-1]}))
+    if target.exists():
+        shutil.rmtree(target)
+    tmp.rename(target)
+    return target

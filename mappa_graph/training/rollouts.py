@@ -1,0 +1,79 @@
+"""One rollout, wherever it runs: the job (task, run name, seeded metadata), running it on an instrumented
+graph, judging episodes, and building the team from a graph factory. The trainer's in-process path and the
+Ray workers (ray_rollouts.py) share these, which is what keeps the two paths' episodes equal.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+
+from ..capture.instrument import InstrumentedGraph
+from ..traces import Episode
+
+if TYPE_CHECKING:
+    from ..models.policies import AgentPolicies
+
+OnVersion = Callable[["AgentPolicies", int], Any]
+
+
+class RolloutJob(BaseModel):
+    """One rollout: the task, and the run name and metadata the trainer would give it in-process."""
+
+    task_id: str
+    input: Any
+    reference: Any = None
+    run: str
+    metadata: dict[str, Any]
+
+
+class RolloutResult(BaseModel):
+    episode: Episode | None = None  # with `error` set, the partial episode (to store, not to train on)
+    error: str | None = None
+
+
+def run_job(graph: InstrumentedGraph, job: RolloutJob) -> RolloutResult:
+    """Run one rollout; a graph that raises returns its error and partial episode (the caller counts it)."""
+    try:
+        _, episode = graph.run_episode(job.input, task_id=job.task_id, reference=job.reference,
+                                       config={"metadata": job.metadata})
+    except Exception as exc:
+        mine = job.metadata.get("mappa_episode_metadata", {})
+        partial = next((e for e in reversed(graph.episodes) if e.task_id == job.task_id
+                        and all(e.metadata.get(k) == v for k, v in mine.items())), None)
+        return RolloutResult(episode=partial, error=f"{type(exc).__name__}: {exc}")
+    return RolloutResult(episode=episode)
+
+
+def rollout_metadata(seed: int, iteration: int, task_id: str, g: int, greedy: bool = False) -> dict[str, Any]:
+    """What a rollout's config carries: the seed every sampling call derives from, and where it sits in the run."""
+    meta: dict[str, Any] = {"mappa_seed": f"{seed}:{iteration}:{task_id}:{g}",
+                            "mappa_episode_metadata": {"iteration": iteration, "rollout": g}}
+    if greedy:
+        meta["mappa_greedy"] = True
+    return meta
+
+
+def build_graph(graph: Any, policies: AgentPolicies) -> Any:
+    """A compiled graph as given, or built by a factory: `f(policies)`, or `f()` for one that takes nothing."""
+    if hasattr(graph, "invoke") or not callable(graph):
+        return graph
+    try:
+        takes_policies = bool(inspect.signature(graph).parameters)
+    except (TypeError, ValueError):
+        takes_policies = True
+    return graph(policies) if takes_policies else graph()
+
+
+def split_team(built: Any) -> tuple[Any, OnVersion | None]:
+    """A factory's result: a compiled graph, or (graph, on_version) where on_version(policies, version) pushes
+    each new adapter version to where the graph's models are served (e.g. `VLLMBackend.sync`)."""
+    if isinstance(built, tuple):
+        if len(built) != 2 or not callable(built[1]):
+            raise TypeError("a graph factory returns a compiled graph or (compiled graph, on_version(policies, "
+                            f"version)); got a tuple of {len(built)}")
+        return built[0], built[1]
+    return built, None

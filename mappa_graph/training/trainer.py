@@ -1,0 +1,386 @@
+"""The MAPPA trainer: rollouts -> judge every action -> advantages -> per-agent LoRA updates, repeated.
+
+`Trainer.step()` reads top to bottom (nanoGPT style): sample tasks, roll out, judge, assign credit, update,
+log, checkpoint. The loss is the token-level PPO-clipped surrogate on REINFORCE++ advantages (see loss.py),
+each agent's samples updating only its own adapter through its own optimiser. This module never imports
+langgraph: the graph arrives already instrumented, or is instrumented through mappa_graph.capture.instrument.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..capture.instrument import InstrumentedGraph, instrument
+from ..capture.store import TraceStore
+from ..judging.protocol import ProcessJudge, require_judge, score_all
+from ..models.policies import AgentPolicies
+from ..traces import Episode, Reward, Task
+from . import distributed
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .credit import Sample, assign_advantages, episode_rewards, filter_samples
+from .loss import clipped_surrogate, flatten_tokens, k1_kl
+from .metrics import MetricsLog
+from .optim import AgentOptimizers
+from .rollouts import OnVersion, RolloutJob, build_graph, rollout_metadata, run_job, split_team
+
+log = logging.getLogger(__name__)
+
+OutcomeFn = Callable[[Episode], "float | None"]
+
+
+class Trainer:
+    def __init__(
+        self,
+        graph: Any,
+        policies: AgentPolicies,
+        judge: ProcessJudge,
+        tasks: Sequence[Task],
+        config: TrainConfig | None = None,
+        *,
+        outcome: OutcomeFn | None = None,
+        eval_tasks: Sequence[Task] | None = None,
+        store: TraceStore | None = None,
+        resume: bool = False,
+        on_update: Callable[[AgentPolicies, int], None] | None = None,
+    ) -> None:
+        self.config = config or TrainConfig()
+        if not tasks:
+            raise ValueError("Trainer needs at least one task")
+        require_judge(judge, where="Trainer judge")
+        for agent in self.config.frozen_agents:
+            policies.check_agent(agent)
+        if self.config.rollout_backend == "ray" and (hasattr(graph, "invoke") or not callable(graph)):
+            raise TypeError(
+                "rollout_backend='ray' needs the graph as a factory, f(policies) -> compiled graph, that Ray can "
+                f"send to each worker (the workers build their own models); got {type(graph).__name__}, which "
+                "holds the driver's model. Pass e.g. functools.partial(build_team, max_new_tokens=32)"
+            )
+        distributed.init_from_env()  # under torchrun: join its process group (a no-op in a single process)
+        if self.config.rollout_backend == "ray" and distributed.is_distributed():
+            raise ValueError("rollout_backend='ray' under torchrun is not supported: use one of the two")
+        self.out = Path(self.config.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        # every rank runs the same seeded rollouts; rank 0's go to the trace store, the others' stay in memory
+        self.store = store or TraceStore(self.out / "traces.db" if distributed.is_main_process() else ":memory:")
+        self.eval_run = f"{self.config.run_name}/eval"
+        # on Ray the workers build the team (each beside its own model server); the driver builds no graph
+        self.graph: InstrumentedGraph | None = None
+        self.eval_graph: InstrumentedGraph | None = None
+        self.on_version: OnVersion | None = None
+        if self.config.rollout_backend == "local":
+            if isinstance(graph, InstrumentedGraph):
+                graph.store = graph.store or self.store
+                self.graph = graph
+            else:
+                compiled, self.on_version = split_team(build_graph(graph, policies))
+                self.graph = instrument(compiled, store=self.store, run=self.config.run_name)
+            self.eval_graph = instrument(self.graph.graph, store=self.store, run=self.eval_run,
+                                         agents=self.graph.agents)
+        self.synced_version = -1  # the adapter version rollouts last got (Ray workers, or on_version)
+        self.policies, self.judge, self.tasks = policies, judge, list(tasks)
+        self.eval_tasks = list(eval_tasks or [])
+        self.outcome = outcome
+        self.on_update = on_update
+        torch.manual_seed(self.config.seed)
+        random.seed(self.config.seed)
+        self.optimizers = AgentOptimizers(policies, lr=self.config.lr, weight_decay=self.config.weight_decay)
+        self.metrics = MetricsLog(self.out / "metrics.jsonl",
+                                  tensorboard_dir=self.out / "tb" if self.config.tensorboard else None)
+        self.iteration = 0
+        self.weights_version = 0  # bumped by every change of the adapters; rollouts get each version once
+        self.ray = None
+        if self.config.rollout_backend == "ray":
+            from .ray_rollouts import RayRollouts
+
+            self.ray = RayRollouts(graph, policies=policies, judge=judge, config=self.config.ray)
+        if resume:
+            self.resume()
+
+    # ---- the loop ----------------------------------------------------------------------------------------
+    def train(self, iterations: int | None = None) -> list[dict[str, Any]]:
+        total = iterations or self.config.iterations
+        records = []
+        with tqdm(total=total, initial=min(self.iteration, total), desc="mappa train", unit="it") as bar:
+            while self.iteration < total:
+                record = self.step()
+                records.append(record)
+                bar.update(1)
+                bar.set_postfix(_postfix(record))
+        return records
+
+    def step(self) -> dict[str, Any]:
+        iteration = self.iteration + 1
+        started = time.time()
+        tasks = self.sample_tasks(iteration)
+        episodes = self.rollout(tasks, iteration)
+        rewards = self.score(episodes)
+        samples, credit = self.credit(episodes, rewards, iteration)
+        update = self.update(samples)
+        self.iteration = iteration
+        record = self.record(iteration, episodes, rewards, samples, credit, update, time.time() - started)
+        if self.eval_tasks and self.config.eval_every and iteration % self.config.eval_every == 0:
+            record["eval_success"] = self.evaluate()
+        if distributed.is_main_process():  # under torch distributed, rank 0 alone writes metrics and checkpoints
+            self.metrics.write(record)
+            if iteration % self.config.checkpoint_every == 0 or iteration == self.config.iterations:
+                self.checkpoint()
+        return record
+
+    # ---- the parts ---------------------------------------------------------------------------------------
+    def sample_tasks(self, iteration: int) -> list[Task]:
+        """Tasks for one iteration, a pure function of (seed, iteration): nothing to checkpoint, and a
+        resumed run draws exactly what the unbroken run would have."""
+        rng = random.Random(f"{self.config.seed}:{iteration}")
+        k = self.config.tasks_per_iteration
+        if k <= len(self.tasks):
+            return rng.sample(self.tasks, k)
+        return [rng.choice(self.tasks) for _ in range(k)]
+
+    def rollout(self, tasks: Sequence[Task], iteration: int, *, rollouts: int | None = None, greedy: bool = False,
+                graph: InstrumentedGraph | None = None, run: str | None = None,
+                desc: str = "rollouts") -> list[Episode]:
+        """G rollouts of each task, run concurrently; each call is seeded from (seed, iteration, task, g)."""
+        graph = graph or self.graph
+        run = run or (graph.run if graph is not None else self.config.run_name)
+        jobs = [RolloutJob(task_id=task.id, input=task.input, reference=task.reference, run=run,
+                           metadata=rollout_metadata(self.config.seed, iteration, task.id, g, greedy))
+                for task in tasks for g in range(rollouts or self.config.rollouts_per_task)]
+        if self.synced_version != self.weights_version:  # rollouts see the adapters as they are now
+            if self.ray is not None:
+                self.ray.publish(self.policies, self.weights_version)
+            elif self.on_version is not None:
+                self.on_version(self.policies, self.weights_version)
+            self.synced_version = self.weights_version
+        with tqdm(total=len(jobs), desc=desc, leave=False, unit="ep") as bar:
+            if self.ray is not None:
+                results = self.ray.rollout(jobs, progress=lambda: bar.update(1))
+                self.store.add_episodes(r.episode for r in results if r.episode is not None)
+            else:
+                with ThreadPoolExecutor(max_workers=self.config.rollout_concurrency) as pool:
+                    results = []
+                    for result in pool.map(lambda job: run_job(graph, job), jobs):
+                        results.append(result)
+                        bar.update(1)
+        episodes: list[Episode] = []
+        self.failed_rollouts = 0
+        for job, result in zip(jobs, results):
+            if result.error is None and result.episode is not None:
+                episodes.append(result.episode)
+                continue
+            # one broken rollout must not end a run of hours; its partial episode stays in the store
+            self.failed_rollouts += 1
+            log.warning("rollout of task %r (%s) failed at iteration %d: %s; dropped from this update",
+                        job.task_id, job.metadata["mappa_episode_metadata"], iteration, result.error)
+        if self.outcome is not None:
+            for episode in episodes:
+                episode.outcome = self.outcome(episode)
+                self.store.set_outcome(episode.id, episode.outcome)
+        return episodes
+
+    def score(self, episodes: Sequence[Episode]) -> list[Reward]:
+        """Judge every action; rewards go to the store as they are (unscored ones with their reason)."""
+        if self.config.reward.mode == "outcome":
+            return []
+        if self.ray is not None:
+            rewards = self.ray.score(episodes, fallback=self.judge)
+        else:
+            rewards = score_all(self.judge, episodes)
+        self.store.add_rewards(rewards)
+        return rewards
+
+    def credit(self, episodes: Sequence[Episode], rewards: Sequence[Reward], iteration: int):
+        cfg = self.config.reward
+        samples, stats = episode_rewards(episodes, rewards, cfg)
+        task_of = {e.id: e.task_id for e in episodes}
+        samples = filter_samples(samples, task_of, cfg, stats, iteration=iteration)
+        samples = [s for s in samples if s.agent not in self.config.frozen_agents]
+        if self.config.kl_coef and self.config.kl_mode == "reward" and samples:
+            # the reference's choice: the k1 KL to the base, summed over the action, is taken off the reward
+            for s, kl in zip(samples, self._sample_kl(samples)):
+                s.reward -= self.config.kl_coef * kl
+        assign_advantages(samples, task_of, cfg)
+        return samples, stats
+
+    def _sample_kl(self, samples: Sequence[Sample]) -> list[float]:
+        ref = self.policies.token_logprobs(None, [s.prompt_token_ids for s in samples], [s.output_token_ids for s in samples])
+        out = []
+        for s, r in zip(samples, ref):
+            old = torch.tensor(s.behaviour_logprobs) if s.behaviour_logprobs else r
+            out.append(float(k1_kl(old, r).sum()))
+        return out
+
+    def update(self, samples: Sequence[Sample]) -> dict[str, dict[str, float]]:
+        """ppo_epochs passes; per adapter, one optimiser step per pass over its samples in micro-batches."""
+        cfg = self.config
+        by_adapter: dict[str, list[Sample]] = defaultdict(list)
+        for s in samples:
+            by_adapter[self.policies.adapter_of[s.agent]].append(s)
+        stats: dict[str, dict[str, float]] = {}
+        for _ in range(cfg.ppo_epochs):
+            for adapter, group in by_adapter.items():
+                stats[adapter] = self._update_adapter(adapter, group)
+        if by_adapter:
+            self.weights_version += 1
+        if self.on_update is not None and by_adapter:
+            self.on_update(self.policies, self.iteration + 1)
+        return stats
+
+    def _update_adapter(self, adapter: str, samples: Sequence[Sample]) -> dict[str, float]:
+        cfg = self.config
+        opt = self.optimizers.optimizers[adapter]
+        params = list(self.policies.adapter_parameters(adapter).values())
+        opt.zero_grad(set_to_none=True)
+        data_parallel = distributed.is_distributed()
+        if data_parallel:  # each rank takes its shard of the actions; the loss below divides by the global count
+            samples = distributed.shard(samples, distributed.rank(), distributed.world_size())
+        total_tokens = sum(len(s.output_token_ids) for s in samples)
+        if data_parallel:
+            total_tokens = int(distributed.all_reduce_sum([total_tokens])[0])
+        started = time.time()
+        loss_sum, kl_sum, clipped = 0.0, 0.0, 0
+        for start in range(0, len(samples), cfg.micro_batch_size):
+            chunk = samples[start : start + cfg.micro_batch_size]
+            new = self.policies.token_logprobs(adapter, [s.prompt_token_ids for s in chunk],
+                                               [s.output_token_ids for s in chunk])
+            old = [torch.tensor(s.behaviour_logprobs, dtype=n.dtype, device=n.device) if s.behaviour_logprobs
+                   else n.detach() for s, n in zip(chunk, new)]  # no behaviour log-probs: ratio 1 (on-policy)
+            logp, adv = flatten_tokens(new, [s.advantage for s in chunk])  # (N,)
+            old_flat, _ = flatten_tokens(old, [s.advantage for s in chunk])
+            token_loss, was_clipped = clipped_surrogate(logp, old_flat, adv, cfg.clip_eps)
+            loss = token_loss.sum() / total_tokens  # token-level mean over the adapter's whole batch
+            if cfg.kl_coef and cfg.kl_mode == "loss":
+                ref = self.policies.token_logprobs(None, [s.prompt_token_ids for s in chunk],
+                                                   [s.output_token_ids for s in chunk])
+                kl = k1_kl(logp, torch.cat(ref))
+                loss = loss + cfg.kl_coef * kl.sum() / total_tokens
+                kl_sum += float(kl.detach().sum())
+            else:
+                kl_sum += float((logp.detach() - old_flat).sum())
+            loss.backward()
+            loss_sum += float(loss.detach())
+            clipped += int(was_clipped.sum())
+        if data_parallel:  # summed grads of per-rank losses over the global count: the global batch's gradient
+            distributed.all_reduce_adapter_grads(self.policies, adapter)
+            loss_sum, kl_sum, clipped = distributed.all_reduce_sum([loss_sum, kl_sum, clipped])
+            clipped = int(clipped)
+        grads = [p.grad for p in params if p.grad is not None]
+        finite = math.isfinite(loss_sum) and all(torch.isfinite(g).all() for g in grads)
+        grad_norm = float("nan")
+        if finite and cfg.max_grad_norm is not None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+            finite = math.isfinite(grad_norm)
+        if finite:
+            opt.step()
+        else:
+            log.warning("adapter %r: non-finite loss or gradient at iteration %d; step skipped", adapter,
+                        self.iteration + 1)
+        opt.zero_grad(set_to_none=True)
+        elapsed = max(time.time() - started, 1e-9)
+        return {"loss": loss_sum, "kl": kl_sum / max(total_tokens, 1), "clip_fraction": clipped / max(total_tokens, 1),
+                "tokens": total_tokens, "tokens_per_s": total_tokens / elapsed, "grad_norm": grad_norm,
+                "skipped_step": 0 if finite else 1}
+
+    # ---- evaluation, records, checkpoints ------------------------------------------------------------
+    def evaluate(self, tasks: Sequence[Task] | None = None, *, greedy: bool = False, rollouts: int = 1) -> float:
+        """Held-out success: `rollouts` per task (sampled as in training, or greedy), mean outcome."""
+        if self.outcome is None:
+            raise ValueError("evaluate() needs an outcome function: Trainer(..., outcome=fn(episode) -> 0..1)")
+        tasks = list(tasks or self.eval_tasks)
+        if not tasks:
+            raise ValueError("no evaluation tasks: pass eval_tasks= to Trainer or tasks= to evaluate()")
+        episodes = self.rollout(tasks, self.iteration, rollouts=1 if greedy else rollouts, greedy=greedy,
+                                graph=self.eval_graph, run=self.eval_run, desc="eval")
+        values = [e.outcome for e in episodes if e.outcome is not None]
+        return sum(values) / len(values) if values else 0.0
+
+    def record(self, iteration, episodes, rewards, samples, credit, update, seconds) -> dict[str, Any]:
+        per_agent: dict[str, dict[str, Any]] = {}
+        scores: dict[str, list[float]] = defaultdict(list)
+        unscored: dict[str, int] = defaultdict(int)
+        for r in rewards:
+            if r.score is None:
+                unscored[r.agent] += 1
+            else:
+                scores[r.agent].append(r.score)
+        advs: dict[str, list[float]] = defaultdict(list)
+        for s in samples:
+            advs[s.agent].append(s.advantage)
+            if self.config.reward.mode == "outcome":
+                scores.setdefault(s.agent, []).append(s.reward)
+        for agent in self.policies.agents:
+            a = advs.get(agent, [])
+            sc = scores.get(agent, [])
+            mean_adv = sum(a) / len(a) if a else None
+            per_agent[agent] = {
+                "mean_reward": sum(sc) / len(sc) if sc else None,
+                "samples": len(a),
+                "unscored": unscored.get(agent, 0),
+                "adv_mean": mean_adv,
+                "adv_std": math.sqrt(sum((x - mean_adv) ** 2 for x in a) / len(a)) if a else None,
+                **update.get(self.policies.adapter_of[agent], {}),
+            }
+        outcomes = [e.outcome for e in episodes if e.outcome is not None]
+        return {
+            "iteration": iteration,
+            "episodes": len(episodes),
+            "failed_rollouts": self.failed_rollouts,
+            "success_rate": sum(outcomes) / len(outcomes) if outcomes else None,
+            "seconds": seconds,
+            "credit": credit.model_dump(),
+            "agents": per_agent,
+        }
+
+    def close(self) -> None:
+        """Stop the Ray rollout workers (if any) and flush the traces; the trainer's files stay as written."""
+        if self.ray is not None:
+            self.ray.shutdown()
+            self.ray = None
+        if self.graph is not None:
+            self.graph.flush()
+
+    def checkpoint(self) -> Path:
+        if self.graph is not None:
+            self.graph.flush()
+        return save_checkpoint(self.out / "checkpoints", self.iteration, self.policies, self.optimizers,
+                               config=self.config.model_dump(mode="json"), trainer_state={},
+                               keep=self.config.keep_checkpoints)
+
+    def resume(self) -> int:
+        """Continue from the latest checkpoint: adapters, optimisers, RNG and iteration restored; metrics and
+        traces of the iteration that was cut off are dropped, so it is redone, never counted twice."""
+        path = latest_checkpoint(self.out / "checkpoints")
+        if path is None:
+            log.info("no checkpoint under %s: starting from iteration 0", self.out / "checkpoints")
+            self.iteration = 0
+        else:
+            payload = load_checkpoint(path, self.policies, self.optimizers)
+            self.iteration = int(payload["iteration"])
+            self.weights_version += 1
+        if distributed.is_main_process():
+            self.metrics.truncate_after(self.iteration)
+        dropped = self.store.delete_episodes_after(self.config.run_name, self.iteration)
+        log.info("resuming at iteration %d from %s (dropped %d episodes of unfinished iterations)",
+                 self.iteration, path, dropped)
+        return self.iteration
+
+
+def _postfix(record: dict[str, Any]) -> dict[str, str]:
+    out = {}
+    if record.get("success_rate") is not None:
+        out["success"] = f"{record['success_rate']:.2f}"
+    for agent, m in record["agents"].items():
+        if m.get("mean_reward") is not None:
+            out[agent[:8]] = f"{m['mean_reward']:.2f}"
+    return out

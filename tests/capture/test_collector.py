@@ -1,0 +1,86 @@
+"""TraceCollector: each model and tool call attributed to its node and agent, concurrent episodes kept apart."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mappa_graph import TraceStore, instrument
+from tests.graphs import build_graph, task_input
+
+
+def test_node_attribution_tool_node_and_conditional_edge() -> None:
+    app = instrument(build_graph().compile())
+    app.invoke(task_input(7))
+    ep = app.last_episode
+    assert ep is not None and ep.error is None
+    assert [(a.node, a.kind) for a in ep.actions] == [
+        ("planner", "llm"), ("coder", "llm"), ("tools", "node"), ("coder", "llm")
+    ]
+    assert [a.step for a in ep.actions] == [1, 2, 3, 4]
+    planner, coder1, tools, coder2 = ep.actions
+    assert planner.output_text == "plan for task-7: add 7 and 100"
+    assert planner.input_messages[0] == {"role": "system", "content": "You plan."}
+    assert [(c.name, c.args, c.id) for c in coder1.tool_calls] == [("add", {"a": 7, "b": 100}, "call-7")]
+    # the LLM action that asked for the tool and the ToolNode's own action both carry the result
+    assert [(r.name, r.output, r.tool_call_id) for r in coder1.tool_results] == [("add", "107", "call-7")]
+    assert [(r.name, r.output) for r in tools.tool_results] == [("add", "107")]
+    assert coder2.output_text == "task-7 answer: 107"
+    assert coder2.input_messages[-1]["role"] == "tool"
+    assert [a.index for a in ep.actions] == [0, 1, 2, 3]
+    assert all(a.episode_id == ep.id for a in ep.actions)
+    assert ep.final_state["messages"][-1]["content"] == "task-7 answer: 107"
+
+
+def test_eight_concurrent_batch_episodes_keep_actions_apart(tmp_path) -> None:
+    store = TraceStore(tmp_path / "t.db")
+    app = instrument(build_graph(delay_s=0.01).compile(), store=store)
+    outs = app.batch([task_input(n) for n in range(8)], config={"max_concurrency": 8})
+    app.flush()
+    assert [o["messages"][-1].content for o in outs] == [f"task-{n} answer: {n + 100}" for n in range(8)]
+    _assert_episodes_apart(store.episodes(), range(8))
+
+
+def test_eight_gathered_async_episodes_keep_actions_apart() -> None:
+    app = instrument(build_graph(delay_s=0.01).compile())
+
+    async def main():
+        return await asyncio.gather(*(app.ainvoke(task_input(n)) for n in range(10, 18)))
+
+    asyncio.run(main())
+    _assert_episodes_apart(app.episodes, range(10, 18))
+
+
+def test_one_shared_collector_separates_episodes_by_root_run() -> None:
+    from mappa_graph import TraceCollector
+
+    collector = TraceCollector()
+    graph = build_graph(delay_s=0.005).compile().with_config(callbacks=[collector])
+    graph.batch([task_input(n) for n in range(20, 28)], config={"max_concurrency": 8})
+    _assert_episodes_apart(collector.episodes, range(20, 28))
+
+
+def test_unknown_node_in_agent_map_names_the_nodes() -> None:
+    with pytest.raises(ValueError, match=r"unknown node 'sovler'.*graph nodes: planner, coder, tools"):
+        instrument(build_graph().compile(), agents={"sovler": "solver"})
+
+
+def test_agent_map_and_task_metadata() -> None:
+    app = instrument(build_graph().compile(), agents={"coder": "analyst"}, run="r1")
+    out, ep = app.run_episode(task_input(2), task_id="t-2", reference=102)
+    assert out["messages"][-1].content == "task-2 answer: 102"
+    assert (ep.task_id, ep.reference, ep.run) == ("t-2", 102, "r1")
+    assert [a.agent for a in ep.actions] == ["planner", "analyst", "tools", "analyst"]
+
+
+def _assert_episodes_apart(episodes, ns) -> None:
+    assert sorted(len(e.actions) for e in episodes) == [4] * len(ns)
+    seen = set()
+    for ep in episodes:
+        n = int(ep.actions[0].output_text.split("task-")[1].split(":")[0])
+        seen.add(n)
+        assert ep.actions[1].tool_calls[0].args == {"a": n, "b": 100}
+        assert ep.actions[3].output_text == f"task-{n} answer: {n + 100}"
+        assert len({a.episode_id for a in ep.actions}) == 1
+    assert seen == set(ns)

@@ -44,8 +44,8 @@ def main() -> None:
                                        resume=args.resume)
     before = trainer.evaluate()
     print(f"held-out success before training: {before:.2f} ({len(trainer.eval_tasks)} tasks, sampled decoding)")
-    trainer.train()
-    after = trainer.evaluate()
+    records = trainer.train()
+    after = records[-1]["eval_success"] if records else trainer.evaluate()  # evaluated after the last iteration
     print(f"held-out success after {trainer.iteration} iterations: {after:.2f}")
     out = Path(args.out)
     plot_rewards(out / "metrics.jsonl", out / "rewards.png", title=f"arithmetic team ({args.mode} rewards)")

@@ -109,7 +109,9 @@ def main() -> None:
     before = {"held_out": trainer.evaluate(held_out), "real_dabench": trainer.evaluate(real)}
     print(f"accuracy before: held-out templated {before['held_out']:.2f}, real DABench {before['real_dabench']:.2f}")
     records = trainer.train()
-    after = {"held_out": trainer.evaluate(held_out), "real_dabench": trainer.evaluate(real)}
+    # the trainer evaluated its eval_tasks (held_out) after the last iteration (eval_every=0: at the end only)
+    after = {"held_out": records[-1]["eval_success"] if records else trainer.evaluate(held_out),
+             "real_dabench": trainer.evaluate(real)}
     print(f"accuracy after:  held-out templated {after['held_out']:.2f}, real DABench {after['real_dabench']:.2f}")
 
     print("\nmean reward per agent and iteration (process judge):")

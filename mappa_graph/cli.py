@@ -105,6 +105,10 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML/TOML/JSON TrainConfig file; flags below override it")
     parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
     parser.add_argument("--export", help="write the trained adapters and manifest to this folder at the end")
+    parser.add_argument("--from-traces", metavar="DB",
+                        help="no rollouts: one update from this trace store (unscored actions judged, human overrides "
+                             "win, actions older than --max-staleness iterations dropped)")
+    parser.add_argument("--max-staleness", type=int, default=4, help="with --from-traces: iterations (-1: keep all)")
     add_config_arguments(parser)
 
 
@@ -131,10 +135,23 @@ def _train(args: argparse.Namespace) -> int:
 
     base = TrainConfig.from_file(args.config) if args.config else None
     config = config_from_args(args, base)
-    trainer = _load_recipe(args.recipe)(config)
+    recipe = _load_recipe(args.recipe)
+    if args.from_traces:
+        from .capture.store import TraceStore
+
+        if not Path(args.from_traces).exists():
+            raise CommandError(f"no trace store at {args.from_traces}")
+        trainer = recipe(config, store=TraceStore(args.from_traces))
+    else:
+        trainer = recipe(config)
     if args.resume:
         trainer.resume()  # type: ignore[attr-defined]
-    trainer.train()  # type: ignore[attr-defined]
+    if args.from_traces:
+        staleness = None if args.max_staleness < 0 else args.max_staleness
+        record = trainer.train_from_traces(max_staleness=staleness)  # type: ignore[attr-defined]
+        print(json.dumps({"iteration": record["iteration"], "offline": record["offline"]}))
+    else:
+        trainer.train()  # type: ignore[attr-defined]
     out = Path(config.output_dir)
     print(f"metrics: {out / 'metrics.jsonl'}; plot: {plot_rewards(out / 'metrics.jsonl', out / 'rewards.png')}")
     if args.export:

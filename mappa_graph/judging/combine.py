@@ -11,7 +11,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from ..errors import JudgeError
 from ..traces import Action, Episode, Reward
@@ -30,11 +30,19 @@ def _reward(action: Action, episode: Episode, judge: str, score: float | None, *
 class MixJudge(Judge):
     """A weighted mean of several judges: `MixJudge([(llm_judge, 0.7), (verifier, 0.3)])`.
 
-    For each action, the mean runs over the parts that scored it (weights renormalised); the action is unscored
-    only when every part left it unscored. The rationale lists each part's verdict.
+    For each action, the mean runs over the parts that judge it (a part whose agent or kind filter skips the action
+    is left out, weights renormalised). When a part that should have scored it left it unscored (its LLM call
+    failed, its verifier raised), the mixed reward is unscored too and names the failed part: silently taking the
+    other parts' score would train on a different reward than the one configured. `on_failed_part="renormalize"`
+    opts into the mean over the parts that answered, and the rationale records which part failed. The rationale
+    lists each part's verdict.
     """
 
-    def __init__(self, parts: Sequence[tuple[ProcessJudge, float]], *, name: str | None = None) -> None:
+    def __init__(self, parts: Sequence[tuple[ProcessJudge, float]], *, name: str | None = None,
+                 on_failed_part: Literal["unscored", "renormalize"] = "unscored") -> None:
+        if on_failed_part not in ("unscored", "renormalize"):
+            raise ValueError(f"on_failed_part must be 'unscored' or 'renormalize', got {on_failed_part!r}")
+        self.on_failed_part = on_failed_part
         if not parts:
             raise ValueError("MixJudge needs at least one (judge, weight) pair")
         checked = []
@@ -96,9 +104,16 @@ class MixJudge(Judge):
                     repaired |= reward.repaired
                     why = f": {reward.rationale}" if reward.rationale else ""
                     notes.append(f"{judge.name} (w={weight:g}): {reward.score:.3f}{why}")
-            if weight_sum == 0:
+            failed = [r for r in reasons if not r.endswith(": not judged")]
+            if failed and (weight_sum == 0 or self.on_failed_part == "unscored"):
                 mixed.append(_reward(action, episode, self.name, None, rationale="; ".join(notes),
-                                     unscored_reason="every part left it unscored: " + "; ".join(reasons)))
+                                     unscored_reason="a part left it unscored: " + "; ".join(failed)))
+            elif weight_sum == 0:
+                mixed.append(_reward(action, episode, self.name, None, rationale="; ".join(notes),
+                                     unscored_reason="no part judged it: " + "; ".join(reasons)))
+            elif failed:  # the opt-in: the mean over the parts that answered, with the failure on record
+                mixed.append(_reward(action, episode, self.name, total / weight_sum, repaired=repaired,
+                                     rationale="; ".join(notes) + " | renormalised without: " + "; ".join(failed)))
             else:
                 mixed.append(_reward(action, episode, self.name, total / weight_sum, rationale="; ".join(notes),
                                      repaired=repaired))

@@ -38,18 +38,37 @@ def _finish_reason(reply: Any) -> str | None:
     return meta.get("finish_reason") or meta.get("stop_reason")
 
 
-def _json_objects(text: str) -> list[tuple[str, Any]]:
-    """Every complete top-level JSON object in `text` (prose and code fences around them are skipped)."""
-    decoder, found, i = json.JSONDecoder(), [], 0
-    while (j := text.find("{", i)) != -1:
-        try:
-            obj, end = decoder.raw_decode(text, j)
-        except ValueError:
-            i = j + 1
+def _top_level_spans(text: str) -> list[str]:
+    """The brace-balanced spans at depth 0 (string-aware), each a candidate top-level JSON object."""
+    spans, depth, start, in_string, escaped = [], 0, 0, False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
             continue
-        found.append((text[j:end], obj))
-        i = end
-    return found
+        if ch == '"' and depth:
+            in_string = True
+        elif ch == "{":
+            start = i if depth == 0 else start
+            depth += 1
+        elif ch == "}" and depth:
+            depth -= 1
+            if depth == 0:
+                spans.append(text[start : i + 1])
+    return spans
+
+
+def _json_objects(text: str) -> tuple[list[tuple[str, Any]], list[str]]:
+    """The top-level JSON objects in `text` (prose and code fences around them are skipped), and the top-level
+    spans that look like a verdict but do not parse. Objects nested inside a malformed one never count: a reply
+    `{"verdict": {"score": 2}, "score": 8, "rationale": "it is "done" now"}` is malformed, not a 2."""
+    found, malformed = [], []
+    for span in _top_level_spans(text):
+        try:
+            found.append((span, json.loads(span)))
+        except ValueError:
+            if "score" in span:
+                malformed.append(span)
+    return found, malformed
 
 
 def _squash(text: str) -> str:
@@ -85,16 +104,21 @@ def parse_reply(reply: Any, *, nonce: str | None = None, data: Sequence[str] = (
         code = re.escape(nonce)
         text = re.sub(rf"<<<DATA-{code}>>>.*?(?:<<<END-{code}>>>|\Z)", " ", text, flags=re.S)
     text = _THINK.sub(" ", text)
+    if "</think>" in text:  # the chat template opened the block, so only its end is in the reply
+        text = text.rpartition("</think>")[2]
     if "<think>" in text:
         raise ReplyError("truncated", "reply ended inside its <think> block")
+    if truncated:  # a reply cut off by the length limit may hold a draft verdict; it is never taken
+        raise ReplyError("truncated", f"reply was cut off (finish_reason=length): {clip_text(text.strip(), 80)!r}")
     if not text.strip():
-        raise ReplyError("truncated" if truncated else "empty", "reply was cut off" if truncated else "empty reply")
-    candidates = [(raw, obj) for raw, obj in _json_objects(text) if isinstance(obj, dict)]
+        raise ReplyError("empty", "empty reply")
+    objects, malformed = _json_objects(text)
+    candidates = [(raw, obj) for raw, obj in objects if isinstance(obj, dict)]
     with_score = [(raw, obj) for raw, obj in candidates if "score" in obj]
+    if malformed:
+        raise ReplyError("not_json", f"reply holds a verdict that is not valid JSON: {clip_text(malformed[0], 80)!r}")
     if not with_score:
         preview = clip_text(text.strip(), 80)
-        if truncated:
-            raise ReplyError("truncated", f"reply was cut off (finish_reason=length) before a JSON verdict: {preview!r}")
         if candidates:
             raise ReplyError("missing_score", f"reply JSON has no 'score' field: {preview!r}")
         raise ReplyError("not_json", f"reply is not a JSON object: {preview!r}")

@@ -122,6 +122,16 @@ class GroupStat(BaseModel):
     mean: float
 
 
+class HumanAgreement(BaseModel):
+    """The judge against human corrections, on the actions a human overrode with a score: how far apart they
+    were (a judge that humans keep correcting by a lot is miscalibrated, whatever its AUROC)."""
+
+    n: int = 0
+    mean_abs_diff: float | None = None
+    within_0_2: float | None = None  # share of overrides the judge was within 0.2 of
+    pearson: float | None = None
+
+
 class JudgeReport(BaseModel):
     """What `judge_report` measured; `to_table()` prints it, `save_plot(path)` draws it."""
 
@@ -144,6 +154,7 @@ class JudgeReport(BaseModel):
     position_spearman: float | None = None
     group_by: str | None = None
     groups: list[GroupStat] = Field(default_factory=list)
+    human: HumanAgreement = Field(default_factory=HumanAgreement)
     points: list[ScorePoint] = Field(default_factory=list, repr=False)
     episode_points: list[EpisodePoint] = Field(default_factory=list, repr=False)
 
@@ -174,6 +185,9 @@ class JudgeReport(BaseModel):
         if self.group_by:
             groups = "  ".join(f"{g.group}: {g.mean:.2f} (n={g.count})" for g in self.groups)
             lines.append(f"by {self.group_by}: {groups}")
+        h = self.human
+        lines.append(f"agreement with human overrides (n={h.n}): mean |judge - human| {f(h.mean_abs_diff)}  "
+                     f"within 0.2 {f(h.within_0_2, 2)}  pearson {f(h.pearson)}")
         return "\n".join(lines)
 
     def save_plot(self, path: str | Path) -> Path:
@@ -308,4 +322,25 @@ def judge_report(
     report.position_bias = [PositionStat(index=i, count=len(v), mean=sum(v) / len(v)) for i, v in sorted(by_index.items())]
     report.position_spearman = spearman([float(p.index) for p in scored], values)  # type: ignore[arg-type]
     report.groups = [GroupStat(group=g, count=len(v), mean=sum(v) / len(v)) for g, v in sorted(by_group.items())]
+    report.human = human_agreement(store, run=run, judge=judge_name)
     return report
+
+
+def human_agreement(store: TraceStore, *, run: str | None = None, judge: str | None = None) -> HumanAgreement:
+    """The judge's own latest verdict against the latest human score, on every action a human scored."""
+    judged: dict[str, float] = {}
+    human: dict[str, float] = {}
+    for reward in store.rewards(run=run):
+        if reward.score is None:
+            continue
+        if reward.override_by is not None:
+            human[reward.action_id] = reward.score
+        elif judge is None or reward.judge == judge:
+            judged[reward.action_id] = reward.score
+    pairs = [(judged[a], human[a]) for a in human if a in judged]
+    if not pairs:
+        return HumanAgreement()
+    diffs = [abs(j - h) for j, h in pairs]
+    return HumanAgreement(n=len(pairs), mean_abs_diff=sum(diffs) / len(diffs),
+                          within_0_2=sum(d <= 0.2 + 1e-9 for d in diffs) / len(diffs),
+                          pearson=pearson([j for j, _ in pairs], [h for _, h in pairs]))

@@ -55,7 +55,8 @@ class RewardConfig(BaseModel):
     estimator: Literal["reinforce++", "group"] = Field(
         "reinforce++", description="global batch normalisation, or group baseline over a task's rollouts"
     )
-    normalize_per_agent: bool = Field(False, description="with 'group': divide by each agent's advantage std")
+    normalize_per_agent: bool = Field(False, description="whiten each agent's advantages apart (the MAPPA release "
+                                      "does, one process group per agent); False: the whole batch together")
     # Off by default: under REINFORCE++ a group whose G rollouts all agree still carries signal against the
     # global batch mean (measured on the arithmetic team: filtering it halved the samples and stalled learning).
     filter_zero_signal: bool = Field(False, description="drop (task, agent) groups whose rewards are all equal")
@@ -201,7 +202,15 @@ Estimator = Callable[[Sequence[Sample], Mapping[str, str | None]], list[float]]
 
 def assign_advantages(samples: Sequence[Sample], task_of: Mapping[str, str | None], config: RewardConfig) -> None:
     """Set `advantage` on each sample with the configured estimator."""
-    if config.estimator == "reinforce++":
+    if config.estimator == "reinforce++" and config.normalize_per_agent:
+        values = [0.0] * len(samples)
+        by_agent: dict[str, list[int]] = defaultdict(list)
+        for i, s in enumerate(samples):
+            by_agent[s.agent].append(i)
+        for members in by_agent.values():
+            for i, a in zip(members, reinforce_pp_advantages([samples[i].reward for i in members])):
+                values[i] = a
+    elif config.estimator == "reinforce++":
         values = reinforce_pp_advantages([s.reward for s in samples])
     else:
         values = group_advantages(samples, task_of, per_agent_norm=config.normalize_per_agent)

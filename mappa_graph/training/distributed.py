@@ -1,12 +1,16 @@
 """Data-parallel adapter training under torch distributed: plain DDP-style all-reduce of the LoRA gradients.
 
 Launch with `torchrun --nproc-per-node N your_script.py` (gloo on CPU, nccl on GPU); the same script with one
-process, no torchrun, takes the single-process path unchanged. Every rank runs the same seeded rollouts (an
-episode is a pure function of seed, iteration, task, g and the adapter weights, and every rank applies the same
-update), takes its shard of the actions, and the gradients are summed over ranks. `Trainer._update_adapter`
-divides each rank's loss by the GLOBAL token count, so the summed gradient is exactly the single-process
-gradient of the global batch (up to float rounding), and clipping and AdamW then see the same tensor everywhere.
-Rank 0 alone writes checkpoints, metrics and the trace store.
+process, no torchrun, takes the single-process path unchanged.
+
+Each rank rolls out and judges its own shard of the iteration's rollouts (so rollouts and judge calls get the
+speed-up), then the episodes and rewards are gathered, in job order, onto every rank: credit assignment
+(filters, the global REINFORCE++ normalisation) then runs on the same global batch everywhere, whatever one
+rank's judge or sandbox did differently. That makes the set of adapters to update, and so the number of
+gradient all-reduces, identical on every rank (a rank with no samples of an adapter contributes zeros): no hang.
+Each rank takes its shard of each adapter's samples for the loss, divided by the GLOBAL token (or action) count,
+so the summed gradient is the single-process gradient of the global batch (up to float rounding). Rank 0 alone
+writes checkpoints, metrics and the trace store (the other ranks' episodes and rewards included).
 """
 
 from __future__ import annotations
@@ -65,6 +69,17 @@ def shard(samples: Sequence[T], rank: int, world: int) -> list[T]:
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside a world of {world} processes")
     return list(samples[rank::world])
+
+
+def gather_in_order(items: Sequence[tuple[int, T]]) -> list[T]:
+    """Every rank's `(position, item)` pairs, on every rank, as one list sorted by position: the global batch in
+    the order a single process would have made it. Objects travel pickled (`all_gather_object`)."""
+    if not is_distributed():
+        return [item for _, item in sorted(items, key=lambda pair: pair[0])]
+    per_rank: list[list[tuple[int, T]] | None] = [None] * world_size()
+    torch.distributed.all_gather_object(per_rank, list(items))
+    merged = [pair for pairs in per_rank for pair in (pairs or [])]
+    return [item for _, item in sorted(merged, key=lambda pair: pair[0])]
 
 
 def _device_for_collectives(like: torch.Tensor | None = None) -> torch.device:

@@ -34,8 +34,29 @@ def clipped_surrogate(
 
 
 def k1_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """k1 estimator of KL(pi || ref) per token: log pi - log ref (unbiased, what the reference uses)."""
+    """k1 estimator of KL(pi || ref) per token: log pi - log ref. Unbiased as a value, so it is what the reference
+    takes off the reward; as a loss its expected gradient under samples from pi is zero (the score-function
+    identity), so it must not be used as a loss term."""
     return logprobs - ref_logprobs
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """k3 estimator (Schulman, "Approximating KL divergence", 2020), per token: r - log r - 1 with
+    r = ref / pi. Non-negative and low-variance; as a loss its expected gradient is the gradient of KL(ref || pi),
+    which pulls pi toward the reference. The estimator GRPO (DeepSeekMath) puts in its loss."""
+    log_ratio = ref_logprobs - logprobs  # (N,) log r
+    return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+def behaviour_tensor(values: Sequence[float] | None, like: torch.Tensor) -> torch.Tensor:
+    """Recorded behaviour log-probs as a tensor beside `like` (same device and dtype), or `like` detached when
+    nothing was recorded. Built on the model's device: a CPU tensor next to CUDA log-probs fails at the first
+    subtraction."""
+    if values is None:
+        return like.detach()
+    if len(values) != like.numel():
+        raise ValueError(f"{len(values)} behaviour log-probs for {like.numel()} tokens")
+    return torch.tensor(values, dtype=like.dtype, device=like.device)
 
 
 def flatten_tokens(

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class MetricsLog:
@@ -25,14 +29,27 @@ class MetricsLog:
             self._tb = SummaryWriter(str(tensorboard_dir))
 
     def truncate_after(self, iteration: int) -> None:
+        """Keep the lines of iterations up to `iteration` (a torn last line, from a kill mid-write, is dropped
+        with a warning). The file is rewritten beside itself and renamed over, so a kill here loses nothing."""
         if not self.path.exists():
             return
-        keep = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["iteration"] <= iteration]
-        self.path.write_text("".join(line + "\n" for line in keep))
+        keep = [line for line in _complete_lines(self.path) if json.loads(line)["iteration"] <= iteration]
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with tmp.open("w") as f:
+            f.write("".join(line + "\n" for line in keep))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
 
     def write(self, record: Mapping[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        # one O_APPEND write per line: a kill leaves the line whole or torn at the end, never interleaved
+        data = (json.dumps(record) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         if self._tb is not None:
             step = int(record["iteration"])
             for key, value in _flatten(record).items():
@@ -48,7 +65,23 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no metrics file at {path}")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in _complete_lines(path)]
+
+
+def _complete_lines(path: Path) -> list[str]:
+    """The file's JSON lines; a last line that does not parse (a write cut off by a kill) is dropped with a
+    warning, while a bad line anywhere else is corruption and raises."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        try:
+            json.loads(line)
+        except json.JSONDecodeError as exc:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path}: line {i + 1} is not JSON ({exc}); the file is corrupt") from exc
+            log.warning("%s: dropping a torn last line (%d bytes), left by a run killed while writing it", path,
+                        len(line))
+            return lines[:-1]
+    return lines
 
 
 def _flatten(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

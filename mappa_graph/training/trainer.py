@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -30,8 +31,9 @@ from . import distributed
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .credit import Sample, assign_advantages, episode_rewards, filter_samples
-from .loss import clipped_surrogate, flatten_tokens, k1_kl
+from .loss import behaviour_tensor, clipped_surrogate, flatten_tokens, k1_kl, k3_kl
 from .metrics import MetricsLog
+from .offline import stored_batch
 from .optim import AgentOptimizers
 from .rollouts import OnVersion, RolloutJob, build_graph, rollout_metadata, run_job, split_team
 
@@ -91,6 +93,9 @@ class Trainer:
         self.synced_version = -1  # the adapter version rollouts last got (Ray workers, or on_version)
         self.policies, self.judge, self.tasks = policies, judge, list(tasks)
         self.eval_tasks = list(eval_tasks or [])
+        if self.eval_tasks and outcome is None:
+            raise ValueError("eval_tasks need an outcome function to score them: Trainer(..., outcome=fn(episode) "
+                             "-> 0..1)")
         self.outcome = outcome
         self.on_update = on_update
         torch.manual_seed(self.config.seed)
@@ -99,6 +104,7 @@ class Trainer:
         self.metrics = MetricsLog(self.out / "metrics.jsonl",
                                   tensorboard_dir=self.out / "tb" if self.config.tensorboard else None)
         self.iteration = 0
+        self.reward_kl: dict[str, float] = {}  # per agent, the k1 KL taken off this iteration's rewards
         self.weights_version = 0  # bumped by every change of the adapters; rollouts get each version once
         self.ray = None
         if self.config.rollout_backend == "ray":
@@ -112,25 +118,34 @@ class Trainer:
     def train(self, iterations: int | None = None) -> list[dict[str, Any]]:
         total = iterations or self.config.iterations
         records = []
-        with tqdm(total=total, initial=min(self.iteration, total), desc="mappa train", unit="it") as bar:
+        # disable=None: a live bar on a terminal; in a log (CI, `> file`) no carriage-return redraws, one line an
+        # iteration instead
+        with tqdm(total=total, initial=min(self.iteration, total), desc="mappa train", unit="it",
+                  disable=None) as bar:
             while self.iteration < total:
                 record = self.step()
                 records.append(record)
                 bar.update(1)
                 bar.set_postfix(_postfix(record))
+                if bar.disable:
+                    cells = ", ".join(f"{k} {v}" for k, v in _postfix(record).items())
+                    print(f"iteration {record['iteration']}/{total}: {cells} ({record['seconds']:.1f} s)",
+                          file=sys.stderr, flush=True)
         return records
 
     def step(self) -> dict[str, Any]:
         iteration = self.iteration + 1
         started = time.time()
         tasks = self.sample_tasks(iteration)
-        episodes = self.rollout(tasks, iteration)
-        rewards = self.score(episodes)
+        episodes = self.rollout(tasks, iteration)  # under torchrun: this rank's shard of the rollouts
+        rewards = self.score(episodes)  # judged where they ran
+        episodes, rewards = self.gather(episodes, rewards)  # the global batch, on every rank
         samples, credit = self.credit(episodes, rewards, iteration)
         update = self.update(samples)
         self.iteration = iteration
         record = self.record(iteration, episodes, rewards, samples, credit, update, time.time() - started)
-        if self.eval_tasks and self.config.eval_every and iteration % self.config.eval_every == 0:
+        every = self.config.eval_every and iteration % self.config.eval_every == 0
+        if self.eval_tasks and (every or iteration == self.config.iterations):  # eval_every=0: at the end only
             record["eval_success"] = self.evaluate()
         if distributed.is_main_process():  # under torch distributed, rank 0 alone writes metrics and checkpoints
             self.metrics.write(record)
@@ -157,13 +172,17 @@ class Trainer:
         jobs = [RolloutJob(task_id=task.id, input=task.input, reference=task.reference, run=run,
                            metadata=rollout_metadata(self.config.seed, iteration, task.id, g, greedy))
                 for task in tasks for g in range(rollouts or self.config.rollouts_per_task)]
+        positions = list(range(len(jobs)))
+        if distributed.is_distributed():  # each rank runs its share; gather() puts them back in this order
+            positions = distributed.shard(positions, distributed.rank(), distributed.world_size())
+            jobs = [jobs[i] for i in positions]
         if self.synced_version != self.weights_version:  # rollouts see the adapters as they are now
             if self.ray is not None:
                 self.ray.publish(self.policies, self.weights_version)
             elif self.on_version is not None:
                 self.on_version(self.policies, self.weights_version)
             self.synced_version = self.weights_version
-        with tqdm(total=len(jobs), desc=desc, leave=False, unit="ep") as bar:
+        with tqdm(total=len(jobs), desc=desc, leave=False, unit="ep", disable=None) as bar:
             if self.ray is not None:
                 results = self.ray.rollout(jobs, progress=lambda: bar.update(1))
                 self.store.add_episodes(r.episode for r in results if r.episode is not None)
@@ -175,9 +194,11 @@ class Trainer:
                         bar.update(1)
         episodes: list[Episode] = []
         self.failed_rollouts = 0
-        for job, result in zip(jobs, results):
+        self.job_position: dict[str, int] = {}
+        for job, position, result in zip(jobs, positions, results):
             if result.error is None and result.episode is not None:
                 episodes.append(result.episode)
+                self.job_position[result.episode.id] = position
                 continue
             # one broken rollout must not end a run of hours; its partial episode stays in the store
             self.failed_rollouts += 1
@@ -200,25 +221,47 @@ class Trainer:
         self.store.add_rewards(rewards)
         return rewards
 
+    def gather(self, episodes: Sequence[Episode], rewards: Sequence[Reward]) -> tuple[list[Episode], list[Reward]]:
+        """Under torchrun: every rank's episodes and rewards on every rank, in job order (what one process would
+        hold), with rank 0 storing the other ranks' share; in one process, the lists as they are."""
+        if not distributed.is_distributed():
+            return list(episodes), list(rewards)
+        mine = {e.id for e in episodes}
+        everyone = distributed.gather_in_order([(self.job_position[e.id], e) for e in episodes])
+        order = {e.id: i for i, e in enumerate(everyone)}
+        all_rewards = distributed.gather_in_order([((order[r.episode_id], i), r) for i, r in enumerate(rewards)])
+        self.failed_rollouts = int(distributed.all_reduce_sum([self.failed_rollouts])[0])
+        if distributed.is_main_process():
+            self.store.add_episodes(e for e in everyone if e.id not in mine)
+            self.store.add_rewards([r for r in all_rewards if r.episode_id not in mine])
+        return everyone, all_rewards
+
     def credit(self, episodes: Sequence[Episode], rewards: Sequence[Reward], iteration: int):
         cfg = self.config.reward
         samples, stats = episode_rewards(episodes, rewards, cfg)
         task_of = {e.id: e.task_id for e in episodes}
         samples = filter_samples(samples, task_of, cfg, stats, iteration=iteration)
         samples = [s for s in samples if s.agent not in self.config.frozen_agents]
+        self.reward_kl = {}
         if self.config.kl_coef and self.config.kl_mode == "reward" and samples:
             # the reference's choice: the k1 KL to the base, summed over the action, is taken off the reward
-            for s, kl in zip(samples, self._sample_kl(samples)):
+            kls = self._sample_kl(samples)
+            for s, kl in zip(samples, kls):
                 s.reward -= self.config.kl_coef * kl
+            self.reward_kl = _per_agent_token_mean(samples, kls)
         assign_advantages(samples, task_of, cfg)
         return samples, stats
 
     def _sample_kl(self, samples: Sequence[Sample]) -> list[float]:
-        ref = self.policies.token_logprobs(None, [s.prompt_token_ids for s in samples], [s.output_token_ids for s in samples])
-        out = []
-        for s, r in zip(samples, ref):
-            old = torch.tensor(s.behaviour_logprobs) if s.behaviour_logprobs else r
-            out.append(float(k1_kl(old, r).sum()))
+        """k1 KL(pi_behaviour || base) summed over each action's tokens; the reference pass runs in micro-batches
+        so a large iteration never holds an (all tokens x vocab) tensor."""
+        out: list[float] = []
+        step = self.config.micro_batch_size
+        for start in range(0, len(samples), step):
+            chunk = samples[start : start + step]
+            ref = self.policies.token_logprobs(None, [s.prompt_token_ids for s in chunk],
+                                               [s.output_token_ids for s in chunk])
+            out += [float(k1_kl(behaviour_tensor(s.behaviour_logprobs, r), r).sum()) for s, r in zip(chunk, ref)]
         return out
 
     def update(self, samples: Sequence[Sample]) -> dict[str, dict[str, float]]:
@@ -227,53 +270,80 @@ class Trainer:
         by_adapter: dict[str, list[Sample]] = defaultdict(list)
         for s in samples:
             by_adapter[self.policies.adapter_of[s.agent]].append(s)
-        stats: dict[str, dict[str, float]] = {}
+        # PPO's "old" policy is the one that sampled: recorded behaviour log-probs, or, where a backend recorded
+        # none, one snapshot taken before the first step (recomputing it each epoch would make every epoch's
+        # ratio 1 and silently drop the clip after the first step)
+        # every rank holds the same global batch (see gather), so every rank updates the same adapters and calls
+        # the same all-reduces; each takes its shard of an adapter's samples, normalised by the global counts
+        totals = {adapter: (sum(len(s.output_token_ids) for s in group), len(group))
+                  for adapter, group in by_adapter.items()}
+        if distributed.is_distributed():
+            by_adapter = {adapter: distributed.shard(group, distributed.rank(), distributed.world_size())
+                          for adapter, group in by_adapter.items()}
+        old = {adapter: self._old_logprobs(adapter, group) for adapter, group in by_adapter.items()}
+        epochs: dict[str, list[dict[str, float]]] = defaultdict(list)
         for _ in range(cfg.ppo_epochs):
             for adapter, group in by_adapter.items():
-                stats[adapter] = self._update_adapter(adapter, group)
+                epochs[adapter].append(self._update_adapter(adapter, group, old[adapter], *totals[adapter]))
         if by_adapter:
             self.weights_version += 1
         if self.on_update is not None and by_adapter:
             self.on_update(self.policies, self.iteration + 1)
-        return stats
+        return {adapter: _merge_epochs(stats) for adapter, stats in epochs.items()}
 
-    def _update_adapter(self, adapter: str, samples: Sequence[Sample]) -> dict[str, float]:
+    def _old_logprobs(self, adapter: str, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        """Per sample (T_i,): the behaviour log-probs recorded at rollout, else this adapter's own before any step."""
+        missing = [i for i, s in enumerate(samples) if s.behaviour_logprobs is None]
+        snapshot: dict[int, torch.Tensor] = {}
+        step = self.config.micro_batch_size
+        with torch.no_grad():
+            for start in range(0, len(missing), step):
+                idx = missing[start : start + step]
+                got = self.policies.token_logprobs(adapter, [samples[i].prompt_token_ids for i in idx],
+                                                   [samples[i].output_token_ids for i in idx])
+                snapshot.update({i: g.detach() for i, g in zip(idx, got)})
+        return [snapshot[i] if i in snapshot else torch.tensor(s.behaviour_logprobs) for i, s in enumerate(samples)]
+
+    def _update_adapter(self, adapter: str, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tensor],
+                        total_tokens: int, total_samples: int) -> dict[str, float]:
+        """One optimiser step on `samples` (this rank's shard under torchrun), the loss divided by the global
+        batch's `total_tokens` / `total_samples` so that the ranks' summed gradients are the global gradient."""
         cfg = self.config
         opt = self.optimizers.optimizers[adapter]
         params = list(self.policies.adapter_parameters(adapter).values())
         opt.zero_grad(set_to_none=True)
         data_parallel = distributed.is_distributed()
-        if data_parallel:  # each rank takes its shard of the actions; the loss below divides by the global count
-            samples = distributed.shard(samples, distributed.rank(), distributed.world_size())
-        total_tokens = sum(len(s.output_token_ids) for s in samples)
-        if data_parallel:
-            total_tokens = int(distributed.all_reduce_sum([total_tokens])[0])
         started = time.time()
-        loss_sum, kl_sum, clipped = 0.0, 0.0, 0
+        loss_sum, kl_sum, log_ratio_sum, clipped = 0.0, 0.0, 0.0, 0
         for start in range(0, len(samples), cfg.micro_batch_size):
             chunk = samples[start : start + cfg.micro_batch_size]
             new = self.policies.token_logprobs(adapter, [s.prompt_token_ids for s in chunk],
                                                [s.output_token_ids for s in chunk])
-            old = [torch.tensor(s.behaviour_logprobs, dtype=n.dtype, device=n.device) if s.behaviour_logprobs
-                   else n.detach() for s, n in zip(chunk, new)]  # no behaviour log-probs: ratio 1 (on-policy)
+            old = [o.to(device=n.device, dtype=n.dtype) for o, n in zip(old_logprobs[start : start + len(chunk)], new)]
             logp, adv = flatten_tokens(new, [s.advantage for s in chunk])  # (N,)
             old_flat, _ = flatten_tokens(old, [s.advantage for s in chunk])
             token_loss, was_clipped = clipped_surrogate(logp, old_flat, adv, cfg.clip_eps)
-            loss = token_loss.sum() / total_tokens  # token-level mean over the adapter's whole batch
+            if cfg.loss_aggregation == "sequence_mean":  # each action's token mean, then the mean over actions
+                _, weights = flatten_tokens([torch.empty(len(s.output_token_ids)) for s in chunk],
+                                            [1.0 / max(len(s.output_token_ids), 1) for s in chunk])
+                loss = (token_loss * weights.to(token_loss.device)).sum() / total_samples
+            else:  # token-level mean over the adapter's whole batch: long actions weigh more
+                loss = token_loss.sum() / total_tokens
             if cfg.kl_coef and cfg.kl_mode == "loss":
-                ref = self.policies.token_logprobs(None, [s.prompt_token_ids for s in chunk],
-                                                   [s.output_token_ids for s in chunk])
-                kl = k1_kl(logp, torch.cat(ref))
+                with torch.no_grad():
+                    ref = self.policies.token_logprobs(None, [s.prompt_token_ids for s in chunk],
+                                                       [s.output_token_ids for s in chunk])
+                kl = k3_kl(logp, torch.cat(ref).to(logp.device))  # (N,) k3: its gradient pulls toward the base
                 loss = loss + cfg.kl_coef * kl.sum() / total_tokens
                 kl_sum += float(kl.detach().sum())
-            else:
-                kl_sum += float((logp.detach() - old_flat).sum())
+            log_ratio_sum += float((logp.detach() - old_flat).sum())
             loss.backward()
             loss_sum += float(loss.detach())
             clipped += int(was_clipped.sum())
         if data_parallel:  # summed grads of per-rank losses over the global count: the global batch's gradient
             distributed.all_reduce_adapter_grads(self.policies, adapter)
-            loss_sum, kl_sum, clipped = distributed.all_reduce_sum([loss_sum, kl_sum, clipped])
+            loss_sum, kl_sum, log_ratio_sum, clipped = distributed.all_reduce_sum(
+                [loss_sum, kl_sum, log_ratio_sum, clipped])
             clipped = int(clipped)
         grads = [p.grad for p in params if p.grad is not None]
         finite = math.isfinite(loss_sum) and all(torch.isfinite(g).all() for g in grads)
@@ -288,9 +358,35 @@ class Trainer:
                         self.iteration + 1)
         opt.zero_grad(set_to_none=True)
         elapsed = max(time.time() - started, 1e-9)
-        return {"loss": loss_sum, "kl": kl_sum / max(total_tokens, 1), "clip_fraction": clipped / max(total_tokens, 1),
-                "tokens": total_tokens, "tokens_per_s": total_tokens / elapsed, "grad_norm": grad_norm,
-                "skipped_step": 0 if finite else 1}
+        tokens = max(total_tokens, 1)
+        stats = {"loss": loss_sum, "log_ratio": log_ratio_sum / tokens, "clip_fraction": clipped / tokens,
+                 "tokens": total_tokens, "tokens_per_s": total_tokens / elapsed, "grad_norm": grad_norm,
+                 "skipped_step": 0 if finite else 1}
+        if cfg.kl_coef and cfg.kl_mode == "loss":
+            stats["kl"] = kl_sum / tokens  # k3 estimate of KL to the base, per token
+        return stats
+
+    def train_from_traces(self, *, run: str | None = None, judge: str | None = None,
+                          max_staleness: int | None = 4) -> dict[str, Any]:
+        """One update from the trace store instead of fresh rollouts: what is unscored is judged now, a human
+        override (`mappa override`) wins over the judge, actions sampled more than `max_staleness` iterations
+        ago are dropped (None keeps all), and the clipped update runs against each action's recorded behaviour
+        log-probs. `run` defaults to this trainer's run; `judge` picks one judge's verdicts when several scored it."""
+        iteration = self.iteration + 1
+        started = time.time()
+        judging = self.judge if self.config.reward.mode != "outcome" else None
+        episodes, rewards, offline = stored_batch(self.store, judging, run=run or self.config.run_name,
+                                                  judge_name=judge, iteration=iteration, max_staleness=max_staleness)
+        samples, credit = self.credit(episodes, rewards, iteration)
+        update = self.update(samples)
+        self.iteration = iteration
+        self.failed_rollouts = 0
+        record = self.record(iteration, episodes, rewards, samples, credit, update, time.time() - started)
+        record["offline"] = offline.model_dump()
+        if distributed.is_main_process():
+            self.metrics.write(record)
+            self.checkpoint()
+        return record
 
     # ---- evaluation, records, checkpoints ------------------------------------------------------------
     def evaluate(self, tasks: Sequence[Task] | None = None, *, greedy: bool = False, rollouts: int = 1) -> float:
@@ -302,6 +398,7 @@ class Trainer:
             raise ValueError("no evaluation tasks: pass eval_tasks= to Trainer or tasks= to evaluate()")
         episodes = self.rollout(tasks, self.iteration, rollouts=1 if greedy else rollouts, greedy=greedy,
                                 graph=self.eval_graph, run=self.eval_run, desc="eval")
+        episodes, _ = self.gather(episodes, [])  # under torchrun: every rank's share of the held-out rollouts
         values = [e.outcome for e in episodes if e.outcome is not None]
         return sum(values) / len(values) if values else 0.0
 
@@ -331,6 +428,8 @@ class Trainer:
                 "adv_std": math.sqrt(sum((x - mean_adv) ** 2 for x in a) / len(a)) if a else None,
                 **update.get(self.policies.adapter_of[agent], {}),
             }
+            if agent in self.reward_kl:  # kl_mode="reward": the k1 KL taken off the rewards
+                per_agent[agent]["kl"] = self.reward_kl[agent]
         outcomes = [e.outcome for e in episodes if e.outcome is not None]
         return {
             "iteration": iteration,
@@ -370,7 +469,8 @@ class Trainer:
             self.weights_version += 1
         if distributed.is_main_process():
             self.metrics.truncate_after(self.iteration)
-        dropped = self.store.delete_episodes_after(self.config.run_name, self.iteration)
+        dropped = sum(self.store.delete_episodes_after(run, self.iteration)
+                      for run in (self.config.run_name, self.eval_run))  # eval rollouts of a redone iteration too
         log.info("resuming at iteration %d from %s (dropped %d episodes of unfinished iterations)",
                  self.iteration, path, dropped)
         return self.iteration
@@ -384,3 +484,24 @@ def _postfix(record: dict[str, Any]) -> dict[str, str]:
         if m.get("mean_reward") is not None:
             out[agent[:8]] = f"{m['mean_reward']:.2f}"
     return out
+
+
+def _per_agent_token_mean(samples: Sequence[Sample], values: Sequence[float]) -> dict[str, float]:
+    """Per agent: sum of per-sample values over the agent's output tokens (a per-token mean)."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for s, v in zip(samples, values):
+        totals[s.agent][0] += v
+        totals[s.agent][1] += len(s.output_token_ids)
+    return {agent: total / max(tokens, 1.0) for agent, (total, tokens) in totals.items()}
+
+
+def _merge_epochs(epochs: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One adapter's stats over all PPO epochs of an iteration: means of per-token figures and of the loss,
+    skipped steps summed, the last grad norm, and the count of epochs (not the last epoch alone)."""
+    merged = {key: sum(e[key] for e in epochs) / len(epochs) for key in epochs[0] if key not in ("skipped_step",)}
+    merged["skipped_step"] = sum(e["skipped_step"] for e in epochs)
+    merged["grad_norm"] = epochs[-1]["grad_norm"]
+    merged["tokens"] = epochs[0]["tokens"]
+    merged["epochs"] = len(epochs)
+    merged["clip_fraction_last_epoch"] = epochs[-1]["clip_fraction"]
+    return merged

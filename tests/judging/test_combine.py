@@ -37,18 +37,32 @@ def test_mix_is_the_weighted_mean_of_its_parts():
     assert rewards[0].judge == mix.name and rewards[0].unscored_reason is None
 
 
-def test_mix_renormalises_over_scored_parts_and_is_unscored_only_when_all_are():
+def test_a_failed_part_leaves_the_mix_unscored_and_names_it():
+    """Issue 13 item 11: when one part was unscored the mix silently returned the other part's score."""
     def half_abstains(action, episode, reference):
         return None if action.index == 0 else 0.2
 
     mix = MixJudge([(constant(0.8, "a"), 1), (VerifierJudge(half_abstains, name="b"), 1)])
     first, second = mix.score(make_episode(2))
-    assert first.score == pytest.approx(0.8) and "b (w=1): unscored" in first.rationale
+    assert first.score is None and first.unscored_reason.startswith("a part left it unscored: b: judge 'b' abstained")
     assert second.score == pytest.approx(0.5)
     nobody = MixJudge([(constant(None, "a"), 1), (VerifierJudge(lambda *a: 1 / 0, name="b"), 2)])
     (reward,) = nobody.score(make_episode(1))
-    assert reward.score is None and reward.unscored_reason.startswith("every part left it unscored")
+    assert reward.score is None and reward.unscored_reason.startswith("a part left it unscored")
     assert "a: judge 'a' abstained" in reward.unscored_reason and "ZeroDivisionError" in reward.unscored_reason
+
+
+def test_renormalising_over_the_parts_that_answered_is_an_opt_in_on_record():
+    def half_abstains(action, episode, reference):
+        return None if action.index == 0 else 0.2
+
+    mix = MixJudge([(constant(0.8, "a"), 1), (VerifierJudge(half_abstains, name="b"), 1)],
+                   on_failed_part="renormalize")
+    first, second = mix.score(make_episode(2))
+    assert first.score == pytest.approx(0.8) and "renormalised without: b: judge 'b' abstained" in first.rationale
+    assert second.score == pytest.approx(0.5) and "renormalised" not in second.rationale
+    with pytest.raises(ValueError, match="on_failed_part"):
+        MixJudge([(constant(0.8, "a"), 1)], on_failed_part="ignore")
 
 
 def test_mix_with_an_llm_judge_and_part_filters():

@@ -390,3 +390,37 @@ def test_filters_protocol_and_empty_episode():
     assert [r.action_id for r in rewards] == [episode.actions[0].id, episode.actions[2].id]  # llm actions of solver
     assert judge.score(Episode()) == [] and judge.score(episode, []) == []
     assert rewards[0].judge == "llm:ScriptedChatModel" and rewards[0].episode_id == episode.id
+
+
+def test_a_reply_cut_off_by_the_length_limit_never_yields_its_draft_score() -> None:
+    """Issue 13 item 10: a truncated 'draft 9' scored 0.9."""
+    draft = AIMessage('Draft: {"score": 9, "rationale": "looks good"} but wait, the tool failed so actually',
+                      response_metadata={"finish_reason": "length"})
+    with pytest.raises(ReplyError) as err:
+        parse_reply(draft)
+    assert err.value.kind == "truncated"
+
+
+@pytest.mark.parametrize("reply", [
+    'The agent wrote {"score": 2} in its code... on reflection it is fine.</think>{"score": 7, "rationale": "ok"}',
+    '<think>{"score": 2}</think>{"score": 7, "rationale": "ok"}',
+])
+def test_reasoning_is_stripped_whether_or_not_the_template_opened_it(reply) -> None:
+    assert parse_reply(reply).score == 7
+
+
+def test_objects_nested_in_a_malformed_verdict_never_count() -> None:
+    """Issue 13 item 10: after a decode failure the parser moved on one character and took the nested 2."""
+    with pytest.raises(ReplyError) as err:
+        parse_reply('{"verdict": {"score": 2}, "score": 8, "rationale": "it is "done" now"}')
+    assert err.value.kind == "not_json"
+    assert parse_reply('the set {1, 2} then {"score": 6, "rationale": "uses {x} and a } brace"}').score == 6
+
+
+def test_a_truncated_reply_is_repaired_or_unscored_by_the_judge() -> None:
+    replies = iter([AIMessage('{"score": 9, "rat', response_metadata={"finish_reason": "length"}),
+                    AIMessage('{"score": 4, "rationale": "the tool failed"}')])
+    judge = LLMJudge(ScriptedChatModel(reply=lambda messages: next(replies)), cache=False, backoff_s=0.001)
+    episode = Episode(input="q", actions=[Action(node="coder", agent="coder", output_message={"content": "x"})])
+    [reward] = judge.score(episode)
+    assert reward.score == pytest.approx(0.4) and reward.repaired

@@ -95,3 +95,13 @@ def test_assign_advantages_uses_the_configured_estimator() -> None:
     assert [s.advantage for s in samples] == pytest.approx([0.5, -0.5])
     assign_advantages(samples, {}, RewardConfig())
     assert [s.advantage for s in samples] == pytest.approx([1.0, -1.0], rel=1e-4)
+
+
+def test_reinforce_pp_can_whiten_each_agents_advantages_apart() -> None:
+    samples = [Sample(action_id=f"a{i}", episode_id="e", agent=agent, prompt_token_ids=[1], output_token_ids=[2],
+                      reward=reward)
+               for i, (agent, reward) in enumerate([("a", 0.0), ("a", 1.0), ("b", 10.0), ("b", 30.0)])]
+    assign_advantages(samples, {"e": "t"}, RewardConfig(normalize_per_agent=True))
+    assert [round(s.advantage, 4) for s in samples] == [-1.0, 1.0, -1.0, 1.0]
+    assign_advantages(samples, {"e": "t"}, RewardConfig())  # the batch together: agent b's large rewards dominate
+    assert samples[0].advantage < 0 and samples[1].advantage < 0 and samples[3].advantage > 0

@@ -97,6 +97,72 @@ def test_two_gloo_ranks_match_one_process_on_the_global_batch(tmp_path) -> None:
     assert stats["tokens"] == sum(len(s.output_token_ids) for s in samples)  # the global count, not the shard's
 
 
+def _failing_once_judge(rank: int):
+    """The arithmetic judge, except that on rank 1 it raises on the first action it sees (a judge timeout, a
+    sandbox limit): that rank's rewards then differ from what a bit-identical replica would have computed."""
+    from agents import arithmetic
+    from mappa_graph import VerifierJudge
+
+    failed = []
+
+    def score(action, episode, reference):
+        if rank == 1 and not failed and action.kind == "llm":
+            failed.append(action.id)
+            raise TimeoutError("judge timed out")
+        return arithmetic._step_score(action, episode, reference)
+
+    return VerifierJudge(score, name="arithmetic-process")
+
+
+def test_sharded_rollouts_with_one_ranks_judge_failing_match_one_process_on_the_global_batch(tmp_path) -> None:
+    """Issue 13 item 8: each rank rolls out and judges its own shard; one rank's judge fails on one action. No
+    hang, the same adapters on both ranks, equal to one process updating on the gathered global batch."""
+    from mappa_graph import TraceStore
+
+    torch.set_num_threads(1)
+    port = str(_free_port())
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        procs.append(subprocess.Popen([sys.executable, __file__, "step", str(tmp_path / f"rank{rank}.pt")],
+                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for rank, proc in enumerate(procs):
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, f"rank {rank} failed:\n{out[-3000:]}"
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    for name in ranks[0]:
+        assert torch.equal(ranks[0][name], ranks[1][name]), name
+
+    # rank 0 stored the global batch: both ranks' episodes, and rank 1's rewards with its one unscored action
+    store = TraceStore(tmp_path / "ranks0" / "traces.db")
+    episodes = store.episodes(run="dp")
+    rewards = store.rewards(run="dp")
+    assert len(episodes) == 12 and sum(r.score is None and "timed out" in (r.unscored_reason or "")
+                                       for r in rewards) == 1
+    single = _trainer(tmp_path / "single")
+    samples, _ = single.credit(episodes, rewards, 1)
+    single.update(samples)
+    want = _adapters(single)
+    for name in want:
+        assert torch.allclose(ranks[0][name], want[name], atol=1e-6), (name, float((ranks[0][name] - want[name]).abs().max()))
+
+
+def _rank_step(out_path: str) -> None:
+    """One rank of a whole training step under torchrun: sharded rollouts and judging, gathered credit."""
+    from mappa_graph.training import distributed
+
+    torch.set_num_threads(1)
+    trainer = _trainer(Path(out_path).parent / f"ranks{distributed.rank()}")
+    assert distributed.is_distributed()
+    trainer.judge = _failing_once_judge(distributed.rank())
+    trainer.eval_tasks = []
+    record = trainer.step()
+    assert record["episodes"] == 12, record["episodes"]  # the global count on every rank
+    torch.save(_adapters(trainer), out_path)
+    torch.distributed.destroy_process_group()
+
+
 def _rank_main(samples_path: str, out_path: str) -> None:
     """One rank: join the group, update on this rank's shard of the shared batch, save the adapters."""
     from mappa_graph.training import distributed
@@ -114,4 +180,7 @@ def _rank_main(samples_path: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    _rank_main(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "step":
+        _rank_step(sys.argv[2])
+    else:
+        _rank_main(sys.argv[1], sys.argv[2])

@@ -1,23 +1,33 @@
 """Run agent-written Python in a separate, locked-down interpreter and hand back what it printed and drew.
 
-Layers, outermost first (each catches what the next one misses):
+Layers, outermost first:
 
-1. A fresh `python -I -B` child in its own session, with a minimal environment (no API keys inherited), a
-   fresh work folder as cwd, and a wall-clock deadline after which the parent kills the process group.
-2. `resource` limits set in the child before any user code: address space (memory), CPU seconds, file size,
-   open files, core dumps, and RLIMIT_NPROC for non-root users (root ignores it).
-3. A PEP 578 audit hook, which cannot be removed once installed: no sockets, no new processes, reads only
-   from the work folder, the table and the Python installation, writes only inside the work folder, no
-   ctypes, no tracing or `gc` walks that could reach the hook. The hook binds every function it calls as a
-   default argument, so rebinding `os.path.realpath` or a builtin from user code does not change its verdict.
-4. Friendlier errors on top: `os.fork`, `os.system`, `subprocess.Popen`, ... raise PermissionError naming
-   what was blocked, and `ctypes` is a stub module.
+1. **The boundary: bubblewrap** (`bwrap`, Debian/Ubuntu package `bubblewrap`). The child runs with every
+   namespace unshared (its network is a private loopback, its /proc shows only its own processes), as uid
+   65534 with no capabilities, in a new session that dies with its parent. It sees the system's /usr and the
+   Python installation and venv read-only, the table read-only, a private /tmp, /proc and /dev, and a work
+   folder that is a size-capped tmpfs, gone when the run ends. `bwrap` itself starts with a minimal
+   environment (inside, /proc/1/environ is bwrap's own), so no API key is there to read.
+2. The parent's watch: a wall-clock deadline, and at most MAX_PROCESSES processes, past which it kills the
+   sandbox's pid-namespace init, so that the kernel ends everything the child started before the call returns.
+3. `resource` limits set in the child before any user code: address space, CPU seconds, file size, open
+   files, core dumps, and RLIMIT_NPROC where the kernel applies it (not when the caller is root: see below).
+4. A PEP 578 audit hook and friendly stubs (`tools/sandbox_child.py`): clear errors for well-meaning code
+   that tries the network, subprocesses or files outside the work folder. Not the boundary: issue 15 shows
+   ~15 ways past it (dir_fd paths, native writes without audit events, /proc/self/mem); layer 1 holds then.
 
-PEP 578 says audit hooks are not a sandbox against a determined attacker: hand-crafted bytecode (marshal) or
-an interpreter bug can corrupt memory and switch them off. For code from strangers, run this as an
-unprivileged user inside a container; the limits in layers 1-2 are what hold then.
+Without `bwrap`, or where user namespaces are disabled, `run_python` refuses with `SandboxUnavailableError`
+(naming the package and the command that installs it). Running without isolation is an explicit opt-in,
+`isolation="none"` or `MAPPA_SANDBOX_ISOLATION=none`, which warns on every call. There is no silent downgrade.
 
-Linux only (it reads /proc and waits with os.waitid). Work folders are kept for the caller; clean `root`.
+Known limits: an unprivileged `bwrap` can only map the sandbox's uid to the caller's own, so when the caller
+is root the sandboxed processes are host root without capabilities (in every namespace of their own), and
+RLIMIT_NPROC, which the kernel does not apply to root, is replaced by the parent's process watch. There is no
+seccomp filter, so a kernel bug reachable from an unprivileged process is outside what this layer stops.
+
+The work folder is removed after each run; `files` and `figures` name what the run left there, and a caller
+that wants them passes `workdir`, which receives copies (at most `disk_mb` in all, regular files only).
+Linux only.
 """
 
 from __future__ import annotations
@@ -30,11 +40,16 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
+import warnings
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
-from typing import IO
+from typing import IO, Literal
 
 from langchain_core.tools import BaseTool, StructuredTool
 from pydantic import BaseModel, Field
@@ -42,10 +57,35 @@ from pydantic import BaseModel, Field
 FILE_LIMIT_MB = 64
 MAX_LISTED_FILES = 500
 SETUP_CPU_SECONDS = 30  # budget for interpreter start, imports and table loading, before the user's limit
+ISOLATION_ENV = "MAPPA_SANDBOX_ISOLATION"
+INSIDE_WORKDIR = "/sandbox"  # the work folder's path as the sandboxed code sees it
+SANDBOX_UID = 65534  # "nobody" inside the user namespace
+MAX_PROCESSES = 64  # processes in one sandbox (see _SandboxWatch); the hook already refuses fork and exec
+PRIVATE_TMP_MB = 16  # the sandbox's own /tmp and /dev/shm are small tmpfs too
 _INTERNAL = ".sandbox"  # per-run folder for matplotlib's config and cache; hidden from `files`
 _PROJECT_ROOT = Path(__file__).resolve().parents[1]
+_INSTALL = "install it with `apt-get install bubblewrap` (Debian/Ubuntu package `bubblewrap`; scripts/setup.sh " \
+           "does this when run as root)"
+_OPT_OUT = f"or, for trusted code only, run without isolation: isolation='none' or {ISOLATION_ENV}=none"
 
-__all__ = ["ExecResult", "PythonSandbox", "default_root", "make_python_tool", "run_python", "truncate"]
+Isolation = Literal["bwrap", "none"]
+
+__all__ = [
+    "ExecResult", "Isolation", "PythonSandbox", "SandboxIsolationWarning", "SandboxUnavailableError",
+    "default_root", "make_python_tool", "run_python", "truncate",
+]
+
+
+class SandboxUnavailableError(RuntimeError):
+    """bubblewrap is missing or cannot create namespaces here; the message names the fix."""
+
+
+class SandboxIsolationWarning(UserWarning):
+    """Agent code is about to run without the isolation layer (an explicit opt-in)."""
+
+
+# "Warns on every call": Python's default filter would show this once per call site and then stay silent.
+warnings.simplefilter("always", SandboxIsolationWarning)
 
 
 class ExecResult(BaseModel):
@@ -55,10 +95,11 @@ class ExecResult(BaseModel):
     stdout: str = ""
     stderr: str = ""
     error: str | None = None
-    figures: list[str] = Field(default_factory=list, description="PNG files in the work folder")
-    files: list[str] = Field(default_factory=list, description="every file left in the work folder")
+    figures: list[str] = Field(default_factory=list, description="PNG files the run left, relative to its folder")
+    files: list[str] = Field(default_factory=list, description="every file the run left, relative to its folder")
     duration_s: float = 0.0
-    workdir: str
+    workdir: str | None = Field(None, description="host folder holding copies of `files`, when one was asked for")
+    isolation: Isolation = "bwrap"
 
     def as_text(self, max_chars: int = 8000) -> str:
         """The reply a tool-calling agent sees: stdout, then the error, then figure names."""
@@ -80,52 +121,69 @@ def run_python(
     cpu_seconds: float = 10,
     wall_seconds: float = 20,
     memory_mb: int = 1024,
+    disk_mb: int = 128,
     max_output_chars: int = 8000,
     root: Path | None = None,
+    isolation: Isolation | None = None,
 ) -> ExecResult:
     """Run `code` in a sandboxed child; `df` is the table (if any), `pd`, `np`, `plt` are imported.
 
-    A fresh work folder is made under `root` (default: <tmp>/mappa_sandbox) unless `workdir` is given; it is
-    kept afterwards so the caller can read figures and files.
+    The work folder holds at most `disk_mb` and is removed afterwards; pass `workdir` to get copies of the
+    files the run left there (figures included). `root` holds matplotlib's font cache (and, without isolation,
+    the temporary work folders). `isolation` defaults to $MAPPA_SANDBOX_ISOLATION, else "bwrap".
     """
+    mode = _isolation(isolation)
     started = time.monotonic()
     table = _existing_table(table_path)
-    folder = _prepare_workdir(workdir, root, table)
-    payload = json.dumps(
-        {
-            "bootstrap": _BOOTSTRAP,
-            "code": code,
-            "workdir": str(folder),
-            "table_path": str(table) if table else None,
-            "private_paths": [str(p) for p in {_PROJECT_ROOT, Path.cwd().resolve()} if p != Path("/")],
-            "cpu_seconds": math.ceil(cpu_seconds),
-            "setup_cpu_seconds": SETUP_CPU_SECONDS,
-            "memory_bytes": int(memory_mb) * 1024 * 1024,
-            "memory_mb": int(memory_mb),
-            "file_bytes": FILE_LIMIT_MB * 1024 * 1024,
-        }
-    ).encode()
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as report:
+    base = Path(root) if root is not None else default_root()
+    with ExitStack() as stack:
+        out, err, report, archive, info = (stack.enter_context(tempfile.TemporaryFile()) for _ in range(5))
+        if mode == "bwrap":
+            launch = _bwrap_launch(table, base, disk_mb, info.fileno())
+        else:
+            launch = _unisolated_launch(stack, table, base)
+        payload = json.dumps(
+            {
+                "bootstrap": _BOOTSTRAP,
+                "code": code,
+                "workdir": launch.workdir,
+                "table_path": str(table) if table else None,
+                "private_paths": [str(p) for p in {_PROJECT_ROOT, Path.cwd().resolve()} if p != Path("/")],
+                "cpu_seconds": math.ceil(cpu_seconds),
+                "setup_cpu_seconds": SETUP_CPU_SECONDS,
+                "memory_bytes": int(memory_mb) * 1024 * 1024,
+                "memory_mb": int(memory_mb),
+                "disk_mb": int(disk_mb),
+                "file_bytes": FILE_LIMIT_MB * 1024 * 1024,
+                "hidden": launch.hidden,
+                "report_fd": report.fileno(),
+                "archive_fd": archive.fileno() if workdir is not None else None,
+            }
+        ).encode()
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-B", "-u", "-X", "utf8", "-c", _LAUNCHER, str(report.fileno())],
+            [*launch.prefix, sys.executable, "-I", "-B", "-u", "-X", "utf8", "-c", _LAUNCHER],
             stdin=subprocess.PIPE,
             stdout=out,
             stderr=err,
-            pass_fds=(report.fileno(),),
-            cwd=folder,
-            env=_child_env(folder),
+            pass_fds=(report.fileno(), archive.fileno(), info.fileno()),
+            cwd=launch.cwd,
+            env=_child_env(launch.workdir),  # bwrap's own environment too: inside, /proc/1/environ is bwrap's
             start_new_session=True,  # its own process group, so one killpg ends everything it started
         )
         # A thread feeds stdin so that a child that never reads cannot block us past the deadline.
         threading.Thread(target=_feed, args=(proc, payload), daemon=True).start()
-        usage, timed_out = _wait(proc, wall_seconds)
+        usage, stopped = _wait(proc, wall_seconds, info if mode == "bwrap" else None)
         stdout, stderr = _read_text(out), _read_text(err)
         reply = _read_report(report)
+        files, note = _listed_files(reply), None
+        if workdir is not None:
+            files, note = _save_files(archive, Path(workdir), disk_mb * 1024 * 1024)
     error = _diagnose(
-        proc.returncode, usage, timed_out, reply, stderr,
+        proc.returncode, usage, stopped, reply, stderr, isolated=mode == "bwrap",
         cpu_seconds=cpu_seconds, wall_seconds=wall_seconds, memory_mb=memory_mb,
     )
-    files = _list_files(folder)
+    if note:
+        stderr = f"{stderr}\nnote: {note}" if stderr else f"note: {note}"
     return ExecResult(
         ok=error is None,
         stdout=truncate(stdout, max_output_chars),
@@ -134,18 +192,21 @@ def run_python(
         figures=[f for f in files if f.lower().endswith(".png")],
         files=files,
         duration_s=round(time.monotonic() - started, 3),
-        workdir=str(folder),
+        workdir=str(Path(workdir).resolve()) if workdir is not None else None,
+        isolation=mode,
     )
 
 
 class PythonSandbox(BaseModel):
-    """Default limits for repeated runs (one per agent team); `run` makes a fresh work folder each time."""
+    """Default limits for repeated runs (one per agent team); each run gets a fresh work folder."""
 
     cpu_seconds: float = Field(10, gt=0, description="CPU seconds the user code may use")
-    wall_seconds: float = Field(20, gt=0, description="wall-clock seconds before the process group is killed")
+    wall_seconds: float = Field(20, gt=0, description="wall-clock seconds before the sandbox is killed")
     memory_mb: int = Field(1024, ge=256, description="address-space limit of the child, interpreter included")
+    disk_mb: int = Field(128, ge=1, description="size of the work folder (a tmpfs), removed after each run")
     max_output_chars: int = Field(8000, ge=200, description="stdout/stderr/error kept per run")
-    root: Path | None = Field(None, description="where work folders go (default <tmp>/mappa_sandbox)")
+    root: Path | None = Field(None, description="where the font cache goes (default <tmp>/mappa_sandbox)")
+    isolation: Isolation | None = Field(None, description=f"'bwrap' (default) or 'none'; None reads ${ISOLATION_ENV}")
 
     def run(self, code: str, *, table_path: str | Path | None = None, workdir: Path | None = None) -> ExecResult:
         return run_python(
@@ -155,8 +216,10 @@ class PythonSandbox(BaseModel):
             cpu_seconds=self.cpu_seconds,
             wall_seconds=self.wall_seconds,
             memory_mb=self.memory_mb,
+            disk_mb=self.disk_mb,
             max_output_chars=self.max_output_chars,
             root=self.root,
+            isolation=self.isolation,
         )
 
 
@@ -174,7 +237,7 @@ def make_python_tool(
         "Run Python code in a sandbox and get back what it printed." + where
         + " pandas as pd, numpy as np and matplotlib.pyplot as plt are imported; open figures are saved as PNG."
         + f" No network, no subprocesses, no files outside the work folder; limits: {sandbox.cpu_seconds:g} s"
-        + f" CPU, {sandbox.wall_seconds:g} s wall time, {sandbox.memory_mb} MB memory."
+        + f" CPU, {sandbox.wall_seconds:g} s wall time, {sandbox.memory_mb} MB memory, {sandbox.disk_mb} MB disk."
         + " Each call starts a fresh interpreter: variables do not survive between calls."
     )
 
@@ -205,21 +268,118 @@ def _existing_table(table_path: str | Path | None) -> Path | None:
     return table
 
 
-def _prepare_workdir(workdir: Path | None, root: Path | None, table: Path | None) -> Path:
-    if workdir is None:
-        base = Path(root) if root is not None else default_root()
-        base.mkdir(parents=True, exist_ok=True)
-        folder = Path(tempfile.mkdtemp(prefix="run-", dir=base)).resolve()
-    else:
-        folder = Path(workdir).resolve()
-        folder.mkdir(parents=True, exist_ok=True)
+def _isolation(isolation: Isolation | None) -> Isolation:
+    """The isolation to use: bwrap (checked to work here) unless "none" was asked for, which warns."""
+    chosen = isolation if isolation is not None else (os.environ.get(ISOLATION_ENV) or "bwrap")
+    if chosen == "none":
+        warnings.warn(
+            "running agent-written code WITHOUT isolation (isolation='none' or "
+            f"{ISOLATION_ENV}=none): only the audit hook stands between it and this machine's files, network "
+            "and processes, and it is not a boundary; use this for trusted code only",
+            SandboxIsolationWarning, stacklevel=3,
+        )
+        return "none"
+    if chosen != "bwrap":
+        raise ValueError(f"unknown sandbox isolation {chosen!r} (choose 'bwrap' or 'none'; check ${ISOLATION_ENV})")
+    _bwrap()
+    return "bwrap"
+
+
+@lru_cache(maxsize=1)
+def _bwrap() -> str:
+    """The `bwrap` binary, once checked to be new enough and able to create namespaces here (a container
+    without user namespaces fails here, not in the middle of an agent's episode). Failures are not cached."""
+    path = shutil.which("bwrap", path="/usr/local/bin:/usr/bin:/bin:" + os.environ.get("PATH", ""))
+    if path is None:
+        raise SandboxUnavailableError(
+            f"bubblewrap (`bwrap`) is not installed, and the Python sandbox runs agent code under it: {_INSTALL}; "
+            + _OPT_OUT)
+    version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    numbers = tuple(int(n) for n in version.stdout.split()[-1].split(".")[:2] if n.isdigit()) if version.stdout else ()
+    if numbers < (0, 8):
+        raise SandboxUnavailableError(
+            f"{path} is bubblewrap {version.stdout.strip() or '(unknown version)'}, but the sandbox needs 0.8 or "
+            f"later (--size caps the work folder, --disable-userns): {_INSTALL} from a newer release; " + _OPT_OUT)
+    probe = subprocess.run(  # the namespaces and mounts every run needs (a container may refuse /proc)
+        [path, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--as-pid-1",
+         "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--size", "65536", "--tmpfs", "/tmp", "--", "true"],
+        capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"}, check=False)
+    if probe.returncode != 0:
+        raise SandboxUnavailableError(
+            f"bubblewrap cannot create the sandbox's namespaces here ({probe.stderr.strip() or probe.returncode}):"
+            " allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu 24.04+ "
+            "also kernel.apparmor_restrict_unprivileged_userns=0; in Docker, a seccomp profile that allows "
+            "CLONE_NEWUSER); " + _OPT_OUT)
+    return path
+
+
+@dataclass
+class _Launch:
+    """How to start the child: a command prefix (bwrap and its arguments, or nothing), the work folder as the
+    child sees it, the parent-side cwd, top-level names the child must not report as its files."""
+
+    prefix: list[str]
+    workdir: str
+    cwd: str
+    hidden: list[str] = field(default_factory=list)
+
+
+def _bwrap_launch(table: Path | None, base: Path, disk_mb: int, info_fd: int) -> _Launch:
+    """bwrap's arguments, in mount order (a later mount may sit inside an earlier one, never the reverse)."""
+    uid, small, inside = str(SANDBOX_UID), str(PRIVATE_TMP_MB * 1024 * 1024), INSIDE_WORKDIR
+    args = [_bwrap(), "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL",
+            "--uid", uid, "--gid", uid, "--hostname", "sandbox", "--new-session", "--die-with-parent", "--as-pid-1",
+            "--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):  # merged-/usr links, or the real folders
+        top = Path("/", name)
+        if top.is_symlink():
+            args += ["--symlink", os.readlink(top), str(top)]
+        elif top.is_dir():
+            args += ["--ro-bind", str(top), str(top)]
+    args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache", "--proc", "/proc", "--dev", "/dev",
+             "--size", small, "--tmpfs", "/dev/shm", "--size", small, "--tmpfs", "/tmp"]
+    for folder in _python_folders():
+        args += ["--ro-bind", folder, folder]
+    args += ["--size", str(disk_mb * 1024 * 1024), "--tmpfs", inside, "--dir", f"{inside}/{_INTERNAL}/mpl"]
+    for cached in _font_cache(base).glob("fontlist-*.json"):  # read-only: one run cannot plant one for the next
+        args += ["--ro-bind", str(cached), f"{inside}/{_INTERNAL}/mpl/{cached.name}"]
+    hidden = [_INTERNAL]
+    if table is not None:  # at its own path (as the tool's description says) and as a name in the work folder
+        args += ["--ro-bind", str(table), str(table), "--ro-bind", str(table), f"{inside}/{table.name}"]
+        hidden.append(table.name)
+    args += ["--info-fd", str(info_fd), "--remount-ro", "/", "--chdir", inside, "--"]
+    return _Launch(prefix=args, workdir=inside, cwd="/", hidden=hidden)
+
+
+def _python_folders() -> list[str]:
+    """The Python installation and venv (prefixes, stdlib, site-packages), outermost folders only; never the
+    project, which may hold the venv but is not bound itself."""
+    import sysconfig
+
+    candidates = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
+                  str(Path(os.path.realpath(sys.executable)).parent), *sysconfig.get_paths().values()}
+    folders = set()
+    for candidate in candidates:
+        for path in {os.path.abspath(candidate), os.path.realpath(candidate)}:
+            if os.path.isdir(path) and path not in ("/", "/usr") and not path.startswith("/usr/"):
+                folders.add(path.rstrip("/"))
+    return sorted(f for f in folders if not any(f.startswith(other + "/") for other in folders))
+
+
+def _unisolated_launch(stack: ExitStack, table: Path | None, base: Path) -> _Launch:
+    """The opt-out: a host work folder under `base`, removed when the run ends."""
+    base.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="run-", dir=base)).resolve()
+    stack.callback(shutil.rmtree, folder, ignore_errors=True)
     mpl = folder / _INTERNAL / "mpl"
-    mpl.mkdir(parents=True, exist_ok=True)
-    for cached in _font_cache(folder.parent if workdir is None else default_root()).glob("fontlist-*.json"):
+    mpl.mkdir(parents=True)
+    for cached in _font_cache(base).glob("fontlist-*.json"):
         shutil.copyfile(cached, mpl / cached.name)  # a copy: one run cannot plant a font list for the next
-    if table is not None and not (folder / table.name).exists():
+    hidden = [_INTERNAL]
+    if table is not None:
         (folder / table.name).symlink_to(table)  # `pd.read_csv("titanic.csv")` works; writes through it are refused
-    return folder
+        hidden.append(table.name)
+    return _Launch(prefix=[], workdir=str(folder), cwd=str(folder), hidden=hidden)
 
 
 def _font_cache(base: Path) -> Path:
@@ -227,7 +387,7 @@ def _font_cache(base: Path) -> Path:
     cache = base / ".mpl-cache"
     if not any(cache.glob("fontlist-*.json")):
         cache.mkdir(parents=True, exist_ok=True)
-        env = _child_env(cache) | {"MPLCONFIGDIR": str(cache)}
+        env = _child_env(str(cache)) | {"MPLCONFIGDIR": str(cache)}
         try:
             subprocess.run([sys.executable, "-I", "-B", "-c", "import matplotlib.font_manager"],
                            env=env, cwd=cache, capture_output=True, timeout=120, check=False)
@@ -236,18 +396,18 @@ def _font_cache(base: Path) -> Path:
     return cache
 
 
-def _child_env(folder: Path) -> dict[str, str]:
+def _child_env(folder: str) -> dict[str, str]:
     """Only what the child needs: the parent's environment may hold API keys."""
-    internal = folder / _INTERNAL
+    internal = f"{folder}/{_INTERNAL}"
     return {
         "PATH": "/usr/bin:/bin",
-        "HOME": str(folder),
-        "TMPDIR": str(folder),
+        "HOME": folder,
+        "TMPDIR": folder,
         "LANG": "C.UTF-8",
         "MPLBACKEND": "Agg",
-        "MPLCONFIGDIR": str(internal / "mpl"),
-        "XDG_CACHE_HOME": str(internal),
-        "XDG_CONFIG_HOME": str(internal),
+        "MPLCONFIGDIR": f"{internal}/mpl",
+        "XDG_CACHE_HOME": internal,
+        "XDG_CONFIG_HOME": internal,
         # One BLAS thread: each thread reserves address space, and the memory limit counts it.
         "OPENBLAS_NUM_THREADS": "1",
         "OMP_NUM_THREADS": "1",
@@ -268,28 +428,117 @@ def _feed(proc: subprocess.Popen[bytes], payload: bytes) -> None:
             pass
 
 
-def _wait(proc: subprocess.Popen[bytes], wall_seconds: float) -> tuple[resource.struct_rusage | None, bool]:
-    """Wait for the child, killing its process group at the deadline, and reap it with os.wait4 (its rusage
-    tells a CPU-limit kill from others). The group is killed while the child is still an unreaped zombie, so
-    its pid and group id cannot have been reused by an unrelated process."""
+def _wait(
+    proc: subprocess.Popen[bytes], wall_seconds: float, info: IO[bytes] | None
+) -> tuple[resource.struct_rusage | None, str | None]:
+    """Wait for the child, stopping it at the deadline (or, under bwrap, past MAX_PROCESSES), and reap it with
+    os.wait4 (its rusage tells a CPU-limit kill from others); returns why we stopped it, if we did. The group
+    is killed while the child is still an unreaped zombie, so its pid and group id cannot have been reused by
+    an unrelated process. Under bwrap (`info` holds bwrap's report) the sandbox's pid-namespace init is
+    killed, and we wait until it is gone: the kernel ends every process in the namespace before its init
+    dies, so then nothing the code started is left."""
     deadline = time.monotonic() + wall_seconds
     delay = 0.002
-    timed_out = False
+    stopped = None
+    sandbox = _SandboxWatch(info, proc.pid) if info is not None else None
     try:
         while os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                timed_out = True
+                stopped = "wall"
+                break
+            if sandbox is not None and sandbox.too_many_processes():
+                stopped = "processes"
                 break
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 0.05)
+        if sandbox is not None and stopped and sandbox.init() is not None:
+            # Kill the namespace's init, not bwrap: bwrap then reaps it and exits by itself. Killing bwrap
+            # first would leave the init's zombie to whatever reaps orphans (in a container, maybe no one).
+            _kill_group(sandbox.init())  # type: ignore[arg-type]
+            _await_exit(proc.pid, timeout=2.0)
         _kill_group(proc.pid)  # on timeout the child itself, otherwise anything it left in its group
         _, status, usage = os.wait4(proc.pid, 0)
     except ChildProcessError:  # something else in this process reaped it (a waitpid(-1) elsewhere)
         proc.returncode = 0
-        return None, timed_out
+        return None, stopped
+    finally:
+        if sandbox is not None and sandbox.init() is not None:
+            _await_exit(sandbox.init())  # type: ignore[arg-type]
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return usage, timed_out
+    return usage, stopped
+
+
+class _SandboxWatch:
+    """The running sandbox as the parent sees it: its pid-namespace init and how many processes it holds.
+
+    RLIMIT_NPROC does not bind when the caller is root (the sandbox's uid maps to host root), so a process
+    bomb that got past the audit hook is stopped here: the host's task count (/proc/loadavg, one cheap read)
+    is watched, and only when it has grown by MAX_PROCESSES are the sandbox's own processes counted."""
+
+    def __init__(self, info: IO[bytes], bwrap_pid: int) -> None:
+        self._info, self._bwrap_pid = info, bwrap_pid
+        self._report: dict[str, object] | None = None
+        self._init: int | None = None
+        self._baseline = _host_tasks()
+
+    def _read(self) -> dict[str, object] | None:
+        """bwrap's --info-fd report. The sandbox could write to that file too, so the init's pid counts only
+        while its parent is our bwrap."""
+        if self._report is None:
+            try:
+                report = json.JSONDecoder().raw_decode(_read_text(self._info).lstrip())[0]
+                pid = int(report["child-pid"])
+                with open(f"/proc/{pid}/status") as status:
+                    parent = next(line.split()[1] for line in status if line.startswith("PPid:"))
+            except (ValueError, KeyError, TypeError, OSError, StopIteration):
+                return None  # not written yet, or not bwrap's
+            if int(parent) == self._bwrap_pid:
+                self._report, self._init = report, pid
+        return self._report
+
+    def init(self) -> int | None:
+        self._read()
+        return self._init
+
+    def too_many_processes(self) -> bool:
+        if _host_tasks() - self._baseline <= MAX_PROCESSES:
+            return False
+        report = self._read()
+        if report is None:
+            return False
+        namespace, count = f"pid:[{report.get('pid-namespace')}]", 0
+        for entry in os.listdir("/proc"):
+            try:
+                count += entry.isdigit() and os.readlink(f"/proc/{entry}/ns/pid") == namespace
+            except OSError:
+                continue
+        self._baseline = _host_tasks()  # others' load: look again only after a further rise
+        return count > MAX_PROCESSES
+
+
+def _host_tasks() -> int:
+    """Tasks on the host (the kernel's count behind /proc/loadavg's "running/total" field)."""
+    try:
+        with open("/proc/loadavg") as loadavg:
+            return int(loadavg.read().split()[3].partition("/")[2])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _await_exit(pid: int, timeout: float = 5.0) -> None:
+    """Until `pid` is a zombie or gone (a dying pid-namespace init turns zombie only once its namespace is
+    empty); bounded, since a reaper elsewhere owns it by now."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                state = stat.read().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.005)
 
 
 def _kill_group(pid: int) -> None:
@@ -318,15 +567,19 @@ def _read_report(handle: IO[bytes]) -> dict[str, object]:
 
 
 def _diagnose(
-    returncode: int | None, usage: resource.struct_rusage | None, timed_out: bool, reply: dict[str, object],
+    returncode: int | None, usage: resource.struct_rusage | None, stopped: str | None, reply: dict[str, object],
     stderr: str,
-    *, cpu_seconds: float, wall_seconds: float, memory_mb: int,
+    *, isolated: bool, cpu_seconds: float, wall_seconds: float, memory_mb: int,
 ) -> str | None:
     """One clear sentence for the agent, from how the child ended."""
     killed_by = -returncode if returncode is not None and returncode < 0 else None
+    if isolated and returncode is not None and returncode > 128:
+        killed_by = returncode - 128  # bwrap exits with 128 + the signal that ended the child
     cpu_used = usage.ru_utime + usage.ru_stime if usage is not None else 0.0
-    if timed_out:
+    if stopped == "wall":
         return f"timed out after {wall_seconds:g} s wall time"
+    if stopped == "processes":
+        return f"stopped: the code started more than {MAX_PROCESSES} processes"
     if killed_by == signal.SIGXCPU or (killed_by == signal.SIGKILL and cpu_used >= cpu_seconds):
         return f"CPU time limit exceeded ({cpu_seconds:g} s of CPU time)"
     if reply.get("error"):
@@ -335,28 +588,58 @@ def _diagnose(
         return f"file size limit of {FILE_LIMIT_MB} MB exceeded"
     if killed_by is not None:
         name = signal.Signals(killed_by).name if killed_by in signal.valid_signals() else f"signal {killed_by}"
-        return f"killed by {name} (probably the memory limit of {memory_mb} MB)"
+        if killed_by == signal.SIGKILL:
+            return f"killed by {name} (probably the memory limit of {memory_mb} MB)"
+        return f"crashed: killed by {name}"
     if returncode:
         last = stderr.strip().splitlines()[-3:]
         return f"exited with status {returncode}" + (": " + " | ".join(last) if last else "")
     return None
 
 
-def _list_files(folder: Path) -> list[str]:
-    """Regular files the run left, at most MAX_LISTED_FILES (a loop can make millions)."""
-    found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames[:] = sorted(d for d in dirnames if not (Path(dirpath) == folder and d == _INTERNAL))
-        found += [p for p in (os.path.join(dirpath, f) for f in sorted(filenames)) if not os.path.islink(p)]
-        if len(found) >= MAX_LISTED_FILES:
-            return found[:MAX_LISTED_FILES]
-    return found
+def _listed_files(reply: dict[str, object]) -> list[str]:
+    """The file names the child reported (it is not trusted: only short strings, at most MAX_LISTED_FILES)."""
+    names = reply.get("files")
+    if not isinstance(names, list):
+        return []
+    return [n[:300] for n in names if isinstance(n, str)][:MAX_LISTED_FILES]
+
+
+def _save_files(archive: IO[bytes], dest: Path, limit_bytes: int) -> tuple[list[str], str | None]:
+    """Unpack the child's tar of its work folder into `dest`: regular files only, at most limit_bytes in all
+    (a tar can claim sizes it does not hold), through tarfile's "data" filter, which refuses absolute paths,
+    `..`, links and devices. The archive comes from code we do not trust."""
+    dest.mkdir(parents=True, exist_ok=True)
+    archive.seek(0)
+    if not archive.read(1):
+        return [], None
+    archive.seek(0)
+    kept, total, note = [], 0, None
+    try:
+        with tarfile.open(fileobj=archive, mode="r:") as tar:
+            for member in tar:
+                if len(kept) >= MAX_LISTED_FILES:
+                    break
+                if not member.isfile() or member.name.startswith("/") or ".." in Path(member.name).parts:
+                    continue  # the child writes plain relative names: anything else is not ours
+                if total + member.size > limit_bytes:
+                    note = f"files past {limit_bytes // 2**20} MB were not copied to {dest}"
+                    break
+                try:
+                    tar.extract(member, dest, filter="data")
+                except tarfile.FilterError:
+                    continue  # a name reaching outside `dest`: never ours, so not copied
+                kept.append(member.name)
+                total += member.size
+    except (tarfile.TarError, OSError) as exc:
+        note = f"could not copy the run's files to {dest}: {exc}"
+    return kept, note
 
 
 # The child reads one JSON object on stdin (bootstrap source, user code, limits) and runs the bootstrap
 # under a recognisable file name, so tracebacks can drop its frames.
 _LAUNCHER = (
-    "import json, sys; config = json.loads(sys.stdin.buffer.read()); config['report_fd'] = int(sys.argv[1]); "
+    "import json, sys; config = json.loads(sys.stdin.buffer.read()); "
     "exec(compile(config.pop('bootstrap'), '<mappa-sandbox>', 'exec'), "
     "{'__name__': '__mappa_sandbox__', 'CONFIG': config})"
 )

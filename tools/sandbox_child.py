@@ -1,12 +1,16 @@
-"""The sandbox's child program: run inside a fresh `python -I` by `tools.sandbox.run_python`, never imported by
-the parent process (which sends this file's source to the child, so isolation does not depend on the child
-finding the project on its path).
+"""The sandbox's child program: run inside a fresh `python -I` by `tools.sandbox.run_python` (under bubblewrap
+unless isolation was switched off), never imported by the parent process (which sends this file's source to
+the child, so the child needs nothing from the project, which bubblewrap does not even show it).
 
 It sets the resource limits, loads pandas, numpy, matplotlib and the table, installs the audit hook that turns
 forbidden operations into clear errors, then runs the user's code as `__main__` and reports through a file
-descriptor. The audit hook is a courtesy to well-meaning code, not the boundary (PEP 578 says as much).
+descriptor: the error, the files left in the work folder and, when the caller keeps them, a tar of those files.
+Everything it reports is read by the parent as untrusted, since user code ran in this same process.
+The audit hook is a courtesy to well-meaning code, not the boundary (PEP 578 says as much; issue 15 lists
+~15 ways past it); bubblewrap is the boundary.
 """
 
+import errno
 import io
 import os
 import sys
@@ -376,7 +380,37 @@ def save_open_figures(plt, workdir):
     return saved
 
 
-def describe(exc, memory_mb):
+def left_files(workdir, hidden):
+    """Regular files the run left, relative to the work folder, at most 500 (a loop can make millions)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(workdir):
+        rel = os.path.relpath(dirpath, workdir)
+        top = rel == "."
+        dirnames[:] = sorted(d for d in dirnames if not (top and d in hidden))
+        for name in sorted(filenames):
+            path = os.path.join(dirpath, name)
+            if (top and name in hidden) or os.path.islink(path) or not os.path.isfile(path):
+                continue
+            found.append(name if top else os.path.join(rel, name))
+            if len(found) >= 500:
+                return found
+    return found
+
+
+def archive_files(fd, workdir, names):
+    """A tar of the files for a caller that keeps them; the parent unpacks it with tarfile's data filter.
+    tarfile is imported by main() before the audit hook is installed."""
+    import tarfile
+
+    with os.fdopen(fd, "wb", closefd=False) as raw, tarfile.open(fileobj=raw, mode="w") as tar:
+        for name in names:
+            try:
+                tar.add(os.path.join(workdir, name), arcname=name, recursive=False)
+            except OSError:
+                continue
+
+
+def describe(exc, memory_mb, disk_mb=None):
     """The user's traceback without the sandbox's frames; a MemoryError is named as the limit it hit."""
     import traceback
 
@@ -392,12 +426,15 @@ def describe(exc, memory_mb):
     text = "\n".join(lines)
     if isinstance(exc, MemoryError):
         return f"memory limit of {memory_mb} MB exceeded\n{text}"
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return f"the work folder is full (it holds at most {disk_mb} MB)\n{text}"
     return text
 
 
 def main(cfg):
     import json
     import linecache
+    import tarfile  # noqa: F401  (archive_files uses it after the user's code; imported before the hook)
     import types
 
     set_limits(cfg)
@@ -436,14 +473,20 @@ def main(cfg):
         if exc.code not in (None, 0):
             error = f"exited with status {exc.code}"
     except BaseException as exc:
-        error = describe(exc, cfg["memory_mb"])
+        error = describe(exc, cfg["memory_mb"], cfg["disk_mb"])
     try:
         save_open_figures(plt, workdir)
     except Exception as exc:
         print(f"note: could not save the open figures: {type(exc).__name__}: {exc}", file=sys.stderr)
+    files = left_files(workdir, frozenset(cfg["hidden"]))
+    if cfg["archive_fd"] is not None:
+        try:
+            archive_files(cfg["archive_fd"], workdir, files)
+        except Exception as exc:
+            print(f"note: could not pack the run's files: {type(exc).__name__}: {exc}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.write(cfg["report_fd"], ("\n" + json.dumps({"error": error}) + "\n").encode())
+    os.write(cfg["report_fd"], ("\n" + json.dumps({"error": error, "files": files}) + "\n").encode())
     os._exit(0)  # skip interpreter teardown: user atexit handlers and finalizers do not get to run
 
 

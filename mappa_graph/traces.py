@@ -41,6 +41,12 @@ class Action(BaseModel):
 
     `kind` is "llm" for a chat-model call (trainable when it has token ids) and "node" for a node turn that
     made no model call (a ToolNode, a router): it still shows in the trace so the judge sees the whole team.
+
+    `agent` is the agent boundary (by default the outermost node below the instrumented graph, e.g. a
+    supervisor's worker); `path` is the full node path inside it (`researcher/agent`). LangGraph control flow is
+    not failure: `handoff` lists where a Command sent control (a handoff tool, `Command(graph=Command.PARENT)`),
+    and `status` is "interrupted" for a node paused by `interrupt()`. A node retried by its RetryPolicy gives one
+    action per `attempt`; a failed attempt has status "error" and trains only when `train_failed` is set.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -50,6 +56,11 @@ class Action(BaseModel):
     kind: Literal["llm", "node"] = "llm"
     node: str
     agent: str
+    path: str | None = None
+    attempt: int = 1
+    status: Literal["ok", "error", "interrupted"] = "ok"
+    handoff: list[str] | None = None
+    train_failed: bool = False
     step: int | None = None
     checkpoint_ns: str | None = None
     parent_id: str | None = None
@@ -63,6 +74,9 @@ class Action(BaseModel):
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
     output_logprobs: list[float] | None = None
+    # the temperature the output was sampled at (0: greedy): the behaviour distribution the log-probs are under,
+    # which training must recompute at the same temperature for the importance ratio to be 1 on-policy
+    temperature: float | None = None
     token_source: Literal["backend", "retokenized"] | None = None
     model: str | None = None
     adapter: str | None = None
@@ -79,7 +93,10 @@ class Action(BaseModel):
 
     @property
     def trainable(self) -> bool:
-        return self.kind == "llm" and bool(self.output_token_ids) and self.prompt_token_ids is not None
+        # A model call inside a failed attempt is what the retry threw away: not a normal sample to learn from
+        # unless the user asked for it (instrument(..., train_failed_attempts=True)).
+        ok = self.status != "error" or self.train_failed
+        return ok and self.kind == "llm" and bool(self.output_token_ids) and self.prompt_token_ids is not None
 
 
 class Task(BaseModel):
@@ -91,7 +108,12 @@ class Task(BaseModel):
 
 
 class Episode(BaseModel):
-    """One run of the graph on one task: its input, every Action in order, the final state and outcome."""
+    """One run of the graph on one task: its input, every Action in order, the final state and outcome.
+
+    One call of the graph is one Episode. A call that paused in `interrupt()` has status "interrupted" and the
+    interrupts' values; its resume is the next call, another Episode of the same `metadata["thread_id"]`
+    (TraceStore.join_thread makes one Episode of a thread when it should be judged and trained as one).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -107,6 +129,8 @@ class Episode(BaseModel):
     started_at: float = Field(default_factory=time.time)
     ended_at: float | None = None
     error: str | None = None
+    status: Literal["ok", "error", "interrupted"] = "ok"
+    interrupts: list[Any] = Field(default_factory=list)
 
     def actions_of(self, agent: str) -> list[Action]:
         return [a for a in self.actions if a.agent == agent]

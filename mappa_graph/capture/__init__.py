@@ -9,6 +9,6 @@ from __future__ import annotations
 
 from .collector import TraceCollector
 from .instrument import InstrumentedGraph, instrument
-from .store import TraceStore
+from .store import TraceStore, join_episodes
 
-__all__ = ["InstrumentedGraph", "TraceCollector", "TraceStore", "instrument"]
+__all__ = ["InstrumentedGraph", "TraceCollector", "TraceStore", "instrument", "join_episodes"]

@@ -2,6 +2,13 @@
 
 Each call gets its own TraceCollector merged into the call's config (callbacks are added, never replaced), so
 concurrent calls cannot mix their actions and the graph's own behaviour and outputs stay exactly as they were.
+
+Each call is one Episode, also on a checkpointed thread: a call that paused in `interrupt()` is an Episode with
+status "interrupted" (and the interrupts' values), its `Command(resume=...)` is the next Episode, both carrying
+`metadata["thread_id"]` and the checkpoint each started from and left (`start_checkpoint_id`,
+`end_checkpoint_id`). `TraceStore.episodes(thread_id=...)` lists a thread's episodes;
+`TraceStore.join_thread(thread_id)` makes them one Episode, which is how a resumed run is judged and trained as
+one.
 """
 
 from __future__ import annotations
@@ -18,13 +25,8 @@ from langchain_core.runnables import RunnableConfig
 
 from ..traces import Episode
 from .collector import TraceCollector
+from .paths import AgentResolver, AgentsSpec
 from .store import TraceStore
-
-_INTERNAL_NODES = {"__start__", "__end__"}
-
-
-def graph_nodes(graph: Any) -> list[str]:
-    return [name for name in getattr(graph, "nodes", {}) if name not in _INTERNAL_NODES]
 
 
 def _check_compiled(graph: Any) -> None:
@@ -90,6 +92,11 @@ class InstrumentedGraph:
 
     With `background=True` (the default) episodes are built and stored on a worker thread, off the graph's
     hot path; `episodes`, `last_episode`, `run_episode` and `flush()` wait for it, so nothing is missed.
+
+    `agents` maps node paths (`researcher`, `researcher/agent`; the longest matching prefix wins) to agent
+    names, or is a function of the path tuple (`("researcher", "agent")`) returning a name or None for the
+    default, the path's first name. `train_failed_attempts=True` trains the model calls of attempts that a
+    RetryPolicy retried after a failure as well (by default they are judged, shown as failed, and not trained).
     """
 
     def __init__(
@@ -98,21 +105,22 @@ class InstrumentedGraph:
         *,
         store: TraceStore | None = None,
         run: str = "default",
-        agents: Mapping[str, str] | None = None,
+        agents: AgentsSpec | None = None,
         keep: int = 1000,
         background: bool = True,
+        train_failed_attempts: bool = False,
     ) -> None:
         _check_compiled(graph)
-        nodes = graph_nodes(graph)
-        unknown = sorted(set(agents or {}) - set(nodes))
-        if unknown:
-            raise ValueError(
-                f"unknown node {', '.join(repr(n) for n in unknown)} in agents= (graph nodes: {', '.join(nodes)})"
-            )
+        resolver = AgentResolver(agents)
+        resolver.check(graph)
         self.graph = graph
         self.store = store
         self.run = run
-        self.agents = dict(agents or {})
+        self.agents = agents if resolver.function is not None else dict(resolver.mapping)  # as given, to reuse
+        self._resolver = resolver
+        self.train_failed_attempts = train_failed_attempts
+        saver = getattr(graph, "checkpointer", None)
+        self._checkpointer = saver if hasattr(saver, "get_tuple") else None
         self.keep = keep
         self._episodes: list[Episode] = []
         self._episodes_lock = threading.Lock()
@@ -120,7 +128,8 @@ class InstrumentedGraph:
 
     # ---- episode plumbing -----------------------------------------------------------------------------
     def _collector(self) -> TraceCollector:
-        return TraceCollector(run=self.run, agents=self.agents, on_episode=self._record, executor=self._worker)
+        return TraceCollector(run=self.run, agents=self._resolver, on_episode=self._record, executor=self._worker,
+                              checkpointer=self._checkpointer, train_failed=self.train_failed_attempts)
 
     def _record(self, episode: Episode) -> None:
         with self._episodes_lock:
@@ -240,11 +249,15 @@ def instrument(
     *,
     store: TraceStore | str | Path | None = None,
     run: str = "default",
-    agents: Mapping[str, str] | None = None,
+    agents: AgentsSpec | None = None,
     background: bool = True,
+    train_failed_attempts: bool = False,
 ) -> InstrumentedGraph:
     """Wrap a compiled LangGraph app so each call records an Episode (into `store` when given: a TraceStore
-    or a path to its SQLite file). `agents` maps node names to agent names when they differ."""
+    or a path to its SQLite file). Each action's agent is its agent boundary: the outermost node below this
+    graph (a supervisor's or swarm's worker, a subgraph node, a plain node), its full node path kept in
+    `Action.path`; `agents` maps paths to other agent names or is a function of the path."""
     if isinstance(store, (str, Path)):
         store = TraceStore(store)
-    return InstrumentedGraph(graph, store=store, run=run, agents=agents, background=background)
+    return InstrumentedGraph(graph, store=store, run=run, agents=agents, background=background,
+                             train_failed_attempts=train_failed_attempts)

@@ -93,21 +93,24 @@ class TraceStore:
 
     def add_episodes(self, episodes: Iterable[Episode]) -> None:
         with self._tx():
-            for episode in episodes:
-                head = episode.model_dump(mode="json", exclude={"actions"})
-                self._db.execute(
-                    "INSERT OR REPLACE INTO episodes VALUES (?,?,?,?,?,?,?)",
-                    (episode.id, episode.run, episode.task_id, episode.outcome, episode.error,
-                     episode.started_at, json.dumps(head)),
-                )
-                self._db.execute("DELETE FROM actions WHERE episode_id=?", (episode.id,))
-                self._db.executemany(
-                    "INSERT INTO actions VALUES (?,?,?,?,?,?,?)",
-                    [
-                        (a.id, episode.id, episode.run, a.agent, a.node, a.index, a.model_dump_json())
-                        for a in episode.actions
-                    ],
-                )
+            self._write_episodes(episodes)
+
+    def _write_episodes(self, episodes: Iterable[Episode]) -> None:
+        for episode in episodes:
+            head = episode.model_dump(mode="json", exclude={"actions"})
+            self._db.execute(
+                "INSERT OR REPLACE INTO episodes VALUES (?,?,?,?,?,?,?)",
+                (episode.id, episode.run, episode.task_id, episode.outcome, episode.error,
+                 episode.started_at, json.dumps(head)),
+            )
+            self._db.execute("DELETE FROM actions WHERE episode_id=?", (episode.id,))
+            self._db.executemany(
+                "INSERT INTO actions VALUES (?,?,?,?,?,?,?)",
+                [
+                    (a.id, episode.id, episode.run, a.agent, a.node, a.index, a.model_dump_json())
+                    for a in episode.actions
+                ],
+            )
 
     def add_rewards(self, rewards: Iterable[Reward]) -> None:
         rewards = list(rewards)
@@ -157,13 +160,23 @@ class TraceStore:
         return Episode.model_validate(head)
 
     def episodes(
-        self, *, run: str | None = None, agent: str | None = None, task_id: str | None = None, limit: int | None = None
+        self,
+        *,
+        run: str | None = None,
+        agent: str | None = None,
+        task_id: str | None = None,
+        thread_id: str | None = None,
+        limit: int | None = None,
     ) -> list[Episode]:
+        """Episodes in the order they started; `thread_id` gives the calls of one checkpointed thread (a run that
+        paused in interrupt() and its resumes)."""
         sql, params = "SELECT data FROM episodes WHERE 1=1", []
         if run is not None:
             sql, params = sql + " AND run=?", [*params, run]
         if task_id is not None:
             sql, params = sql + " AND task_id=?", [*params, task_id]
+        if thread_id is not None:
+            sql, params = sql + " AND json_extract(data, '$.metadata.thread_id')=?", [*params, str(thread_id)]
         if agent is not None:
             sql += " AND id IN (SELECT episode_id FROM actions WHERE agent=?)"
             params.append(agent)
@@ -212,6 +225,23 @@ class TraceStore:
             raise ValueError(f"unknown table {table!r} (tables: episodes, actions, rewards)")
         return int(self._query(f"SELECT COUNT(*) FROM {table}")[0][0])
 
+    def join_thread(self, thread_id: str, *, run: str | None = None) -> Episode:
+        """Replace the episodes of a thread (a call that paused in interrupt() and the calls that resumed it) by
+        one Episode, `join_episodes` of them, moving their rewards along; returns it. Call it once the thread is
+        done and before judging, so the judge sees the whole run and the trainer trains it as one episode."""
+        parts = self.episodes(thread_id=thread_id, run=run)
+        if not parts:
+            raise KeyError(f"no episodes of thread {thread_id!r}" + (f" in run {run!r}" if run else ""))
+        joined = join_episodes(parts)
+        with self._tx():
+            for part in parts[1:]:
+                self._db.execute("UPDATE rewards SET episode_id=?, data=json_set(data, '$.episode_id', ?) "
+                                 "WHERE episode_id=?", (joined.id, joined.id, part.id))
+                self._db.execute("DELETE FROM actions WHERE episode_id=?", (part.id,))
+                self._db.execute("DELETE FROM episodes WHERE id=?", (part.id,))
+            self._write_episodes([joined])
+        return joined
+
     def delete_episodes_after(self, run: str, iteration: int) -> int:
         """Drop a run's episodes (with their actions and rewards) from iterations after `iteration`: what a
         resumed trainer redoes. Returns how many were dropped."""
@@ -246,3 +276,22 @@ class TraceStore:
                 n += 1
         tmp.replace(path)
         return n
+
+
+def join_episodes(parts: list[Episode]) -> Episode:
+    """One Episode of a thread's calls, in order: the first call's input and id, every call's actions (ids kept,
+    re-indexed), the last call's final state, status, interrupts and outcome. A node that paused in interrupt()
+    stays in the transcript as paused, before its rerun on resume: that is what happened."""
+    if not parts:
+        raise ValueError("join_episodes needs at least one episode")
+    first, last = parts[0], parts[-1]
+    joined = first.model_copy(deep=True)
+    joined.actions = [a.model_copy(deep=True) for part in parts for a in part.actions]
+    for i, action in enumerate(joined.actions):
+        action.index, action.episode_id = i, joined.id
+    joined.final_state, joined.outcome, joined.ended_at = last.final_state, last.outcome, last.ended_at
+    joined.status, joined.interrupts, joined.error = last.status, list(last.interrupts), last.error
+    joined.metadata = {**first.metadata, **{k: v for k, v in last.metadata.items() if k != "start_checkpoint_id"},
+                       "joined_episode_ids": [part.id for part in parts]}
+    joined.metadata.pop("resumed", None)
+    return joined

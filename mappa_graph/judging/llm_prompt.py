@@ -75,21 +75,52 @@ def _render_messages(messages: Iterable[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _render_tools(action: Action) -> tuple[str, str]:
+def _render_tools(action: Action, retried: bool = False) -> tuple[str, str]:
     calls = "\n".join(f"{c.name}({json.dumps(c.args, ensure_ascii=False, default=str)})" for c in action.tool_calls)
     results = []
     for r in action.tool_results:
         head = f"{r.name}" + (f" (call {r.tool_call_id})" if r.tool_call_id else "")
         results.append(f"{head} output:\n{r.output}" + (f"\n{head} ERROR: {r.error}" if r.error else ""))
-    if action.error:
-        results.append(f"the action itself failed: {action.error}")
+    results += _control_flow(action, retried)
     return calls, "\n\n".join(results)
+
+
+def _control_flow(action: Action, retried: bool = False) -> list[str]:
+    """How the action ended, in LangGraph's terms: a handoff and a pause are control flow, not failures; a
+    failed attempt is a failure, and says so when the node was retried."""
+    lines = []
+    if action.handoff:
+        lines.append(f"it handed control to {', '.join(action.handoff)} (a LangGraph handoff, not an error)")
+    if action.status == "interrupted":
+        lines.append("the run paused here in interrupt(), waiting for human input (not an error); it resumes in a "
+                     "later call")
+    if action.error:
+        attempt = f" (attempt {action.attempt})" if action.attempt > 1 or retried else ""
+        lines.append(f"the action itself failed{attempt}: {action.error}")
+        if retried:
+            lines.append("LangGraph's retry policy then ran this node again: the next attempt follows")
+    return lines
+
+
+def _retried(episode: Episode, action: Action) -> bool:
+    """Whether a later attempt of the same node task follows in the episode."""
+    return action.checkpoint_ns is not None and any(
+        a.checkpoint_ns == action.checkpoint_ns and a.attempt > action.attempt for a in episode.actions)
+
+
+def _where(action: Action) -> str:
+    where = f"node {action.path}" if action.path and action.path != action.node else f"node {action.node}"
+    if action.attempt > 1 or (action.status == "error" and action.path is not None):
+        where += f", attempt {action.attempt}"
+    if action.status != "ok":
+        where += ", FAILED" if action.status == "error" else ", paused in interrupt()"
+    return where
 
 
 def _render_action_brief(action: Action, limit: int) -> str:
     body = action.output_text if action.kind == "llm" else as_text(action.node_output)
     calls, results = _render_tools(action)
-    parts = [f"#{action.index} {action.agent} (node {action.node}): {clip_text(body, limit)}"]
+    parts = [f"#{action.index} {action.agent} ({_where(action)}): {clip_text(body, limit)}"]
     if calls:
         parts.append("  tool calls: " + clip_text(calls, limit // 2))
     if results:
@@ -110,6 +141,11 @@ def judge_sections(
     """The (title, raw text) parts the judge sees for one action, before escaping and delimiting."""
     system = next((m for m in action.input_messages if m.get("role") == "system"), None)
     role = f"agent: {action.agent}\nnode: {action.node}"
+    if action.path and action.path != action.node:
+        role += f"\nnode path: {action.path}"
+    retried = _retried(episode, action)
+    if action.attempt > 1 or retried:
+        role += f"\nattempt: {action.attempt}" + (" (earlier attempts of this node failed)" if action.attempt > 1 else "")
     if roles and action.agent in roles:
         role += f"\nrole: {roles[action.agent]}"
     if system is not None:
@@ -126,11 +162,14 @@ def judge_sections(
     sections.append(("What the agent saw", clip_text(saw, max_chars, keep="tail")))
     produced = action.output_text if action.kind == "llm" else as_text(action.node_output)
     sections.append(("The action (what the agent produced)", clip_text(produced, max_chars) or "(no text)"))
-    calls, results = _render_tools(action)
+    calls, results = _render_tools(action, retried)
     sections.append(("Its tool calls", clip_text(calls, max_chars) or "(none)"))
     sections.append(("Tool feedback (output, stdout, stderr, errors, files)", clip_text(results, max_chars) or "(none)"))
     if include_reference and episode.reference is not None:
         sections.append(("Reference answer", clip_text(as_text(episode.reference), max_chars)))
+    if episode.status == "interrupted":
+        paused = "the run paused in interrupt() waiting for human input (not a failure); asked:\n"
+        sections.append(("How this call of the graph ended", clip_text(paused + as_text(episode.interrupts), max_chars)))
     if include_outcome and episode.outcome is not None:
         outcome = f"outcome score: {episode.outcome}\nfinal state:\n{as_text(episode.final_state)}"
         sections.append(("Final outcome of the episode", clip_text(outcome, max_chars)))

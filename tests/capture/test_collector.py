@@ -62,7 +62,7 @@ def test_one_shared_collector_separates_episodes_by_root_run() -> None:
 
 
 def test_unknown_node_in_agent_map_names_the_nodes() -> None:
-    with pytest.raises(ValueError, match=r"unknown node 'sovler'.*graph nodes: planner, coder, tools"):
+    with pytest.raises(ValueError, match=r"unknown node 'sovler'.*graph node paths: planner, coder, tools"):
         instrument(build_graph().compile(), agents={"sovler": "solver"})
 
 
@@ -84,3 +84,19 @@ def _assert_episodes_apart(episodes, ns) -> None:
         assert ep.actions[3].output_text == f"task-{n} answer: {n + 100}"
         assert len({a.episode_id for a in ep.actions}) == 1
     assert seen == set(ns)
+
+
+def test_backend_token_record_lands_on_the_action_with_its_temperature() -> None:
+    from langchain_core.messages import AIMessage
+
+    from mappa_graph.messages import MAPPA_KEY
+    from tests.fakes import ScriptedChatModel
+
+    record = {"agent": "planner", "adapter": "a0", "prompt_token_ids": [1, 2], "output_token_ids": [3],
+              "output_logprobs": [-0.5], "token_source": "backend", "temperature": 0.7}
+    model = ScriptedChatModel(script=lambda m: AIMessage(f"plan for task-{m[-1].content[-1]}",
+                                                         response_metadata={MAPPA_KEY: record}))
+    app = instrument(build_graph(planner_model=model).compile())
+    app.invoke(task_input(4))
+    planner = app.last_episode.actions[0]
+    assert (planner.temperature, planner.output_logprobs, planner.adapter, planner.trainable) == (0.7, [-0.5], "a0", True)

@@ -56,3 +56,25 @@ def test_reward_for_unknown_episode_is_refused_and_nothing_is_written(tmp_path) 
     assert store.count("rewards") == 0  # the transaction rolled back as a whole
     store.set_outcome(ep.id, 1.0)
     assert store.episode(ep.id).outcome == 1.0
+
+
+def test_a_threads_episodes_are_listed_and_joined_with_their_rewards(tmp_path) -> None:
+    store = TraceStore(tmp_path / "t.db")
+    paused, resumed, other = _episode("r", ["writer", "reviewer"]), _episode("r", ["reviewer"]), _episode("r", ["x"])
+    paused.metadata, paused.status, paused.interrupts = {"thread_id": "th"}, "interrupted", [{"approve": "?"}]
+    resumed.metadata = {"thread_id": "th", "resumed": True}
+    resumed.started_at = paused.started_at + 1
+    store.add_episodes([paused, resumed, other])
+    store.add_rewards([Reward(action_id=resumed.actions[0].id, episode_id=resumed.id, agent="reviewer", judge="v",
+                              score=1.0)])
+    assert [e.id for e in store.episodes(thread_id="th")] == [paused.id, resumed.id]
+    joined = store.join_thread("th")
+    assert [e.id for e in store.episodes(thread_id="th")] == [joined.id] == [paused.id]
+    assert [(a.agent, a.index, a.episode_id) for a in store.episode(joined.id).actions] == [
+        ("writer", 0, joined.id), ("reviewer", 1, joined.id), ("reviewer", 2, joined.id)]
+    assert (joined.status, joined.interrupts) == ("ok", [])
+    (reward,) = store.rewards(episode_id=joined.id)
+    assert reward.action_id == resumed.actions[0].id and reward.episode_id == joined.id
+    assert store.count("episodes") == 2 and store.count("actions") == 4
+    with pytest.raises(KeyError, match="no episodes of thread 'nope'"):
+        store.join_thread("nope")

@@ -1,0 +1,410 @@
+"""EpisodeBuilder: replays one root run's callback events into an Episode.
+
+A node task's own run is the first chain run with a new checkpoint namespace below its parent's; the runs inside
+it (the node's function, prompts, routers, parsers) share its namespace. A RetryPolicy reruns the task under the
+same namespace: each rerun is another attempt, its own action. LangGraph's control flow arrives as exceptions
+(`ParentCommand` for a handoff to the parent graph, `GraphInterrupt` for `interrupt()`): they are recorded as what
+the node did, never as its error. Actions are ordered by where they ran (step and task path at each graph level),
+not by when their callbacks fired, so parallel branches (`Send`, a batch of tools) give the same episode every
+time and the judge's cache keys stay stable. Builds off the graph's hot path; never imports torch, and imports
+langgraph only when it runs (importing mappa_graph.capture stays light).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID
+
+from langchain_core.messages import ToolMessage
+
+from ..messages import MAPPA_KEY, content_text, message_to_dict, to_jsonable
+from ..traces import Action, Episode, ToolCall, ToolResult
+from .paths import AgentResolver, is_internal, node_path
+
+# (kind, run_id, parent_run_id, metadata, payload, time, extra)
+Event = tuple[str, UUID, "UUID | None", "Mapping[str, Any] | None", Any, float, Any]
+
+_LAST = ((9, ""),)  # sorts after every task path: a model call made after the node's subgraph tasks of a step
+
+
+@dataclass
+class _NodeRun:
+    action: Action
+    key: tuple[Any, ...]
+    parent: _NodeRun | None = None
+    children: list[_NodeRun] = field(default_factory=list)
+    llm_actions: list[Action] = field(default_factory=list)
+    tool_results: list[ToolResult] = field(default_factory=list)
+    last_child_step: int = -1
+    seq: int = 0
+
+
+class EpisodeBuilder:
+    """Replays one root run's events into an Episode: node turns, attempts, model calls, tool calls, handoffs
+    and interrupts. `train_failed` marks the model calls of failed attempts as trainable anyway."""
+
+    def __init__(
+        self,
+        run: str,
+        agents: AgentResolver,
+        defaults: Mapping[str, Any],
+        *,
+        train_failed: bool = False,
+    ) -> None:
+        from langgraph.errors import GraphInterrupt, ParentCommand
+        from langgraph.types import Command, Send
+
+        self._interrupt_type, self._handoff_type, self._command_type, self._send_type = (
+            GraphInterrupt, ParentCommand, Command, Send)
+        self.run, self.agents, self.defaults, self.train_failed = run, agents, defaults, train_failed
+        self.ns_of_run: dict[UUID, str | None] = {}
+        self.node_by_ns: dict[str, _NodeRun] = {}  # the latest attempt of each task
+        self.node_by_run: dict[UUID, _NodeRun] = {}
+        self.attempts: dict[str, int] = {}
+        self.llm_by_run: dict[UUID, tuple[Action, tuple[Any, ...]]] = {}
+        self.tool_by_run: dict[UUID, tuple[str, str | None, float, str | None]] = {}
+        self.call_owner: dict[str, Action] = {}
+        self.order: list[tuple[tuple[Any, ...], Action]] = []
+        self.node_of_action: dict[str, _NodeRun] = {}
+        self.interrupts: dict[str, Any] = {}  # by interrupt id: one interrupt bubbles through every level
+        self.root_seq = 0
+        self.root_last_step = -1
+        self.episode: Episode | None = None
+        self.root: UUID | None = None
+        self.root_ns: str | None = None
+
+    def build(self, events: Sequence[Event]) -> Episode:
+        for kind, run_id, parent, metadata, payload, at, extra in events:
+            getattr(self, f"_{kind}")(run_id, parent, metadata or {}, payload, at, extra)
+        assert self.episode is not None
+        return self._finish()
+
+    # ---- chains: the root run and node tasks ----------------------------------------------------------------
+    def _chain_start(self, run_id: UUID, parent: UUID | None, meta: Mapping[str, Any], inputs: Any, at: float,
+                     extra: Any) -> None:
+        if self.episode is None:
+            self._root_start(run_id, meta, inputs, at, extra)
+            return
+        ns, node = meta.get("langgraph_checkpoint_ns"), meta.get("langgraph_node")
+        parent_ns = self.ns_of_run.get(parent, ns) if parent is not None else None
+        self.ns_of_run[run_id] = ns if ns is not None else parent_ns
+        if ns is None or node is None or ns == parent_ns or ns == self.root_ns:
+            return  # a run inside a node task (its function, a prompt, a router, a parser, a tool's chain)
+        path = node_path(ns, self.root_ns)
+        if is_internal(path):
+            return
+        attempt = self.attempts[ns] = self.attempts.get(ns, 0) + 1
+        outer = self.node_by_ns.get(ns.rsplit("|", 1)[0]) if "|" in ns else None
+        step = meta.get("langgraph_step")
+        self.root_seq += 1  # the last tie-break only: same step, same task path, same attempt
+        element = (_step(step), _path_key(meta.get("langgraph_path")), attempt, self.root_seq)
+        key = (outer.key if outer is not None else ()) + (element,)
+        action = Action(
+            episode_id=self.episode.id,
+            kind="node",
+            node=path[-1],
+            agent=self.agents(path),
+            path="/".join(path),
+            attempt=attempt,
+            train_failed=self.train_failed,
+            step=step,
+            checkpoint_ns=ns,
+            parent_id=outer.action.id if outer else None,
+            node_input=to_jsonable(inputs),
+            started_at=at,
+        )
+        node_run = _NodeRun(action, key, outer)
+        if outer is not None:
+            outer.children.append(node_run)
+            outer.last_child_step = max(outer.last_child_step, _step(step))
+        else:
+            self.root_last_step = max(self.root_last_step, _step(step))
+        self.node_by_ns[ns] = self.node_by_run[run_id] = self.node_of_action[action.id] = node_run
+        self.order.append((key, action))
+
+    def _root_start(self, run_id: UUID, meta: Mapping[str, Any], inputs: Any, at: float, extra: Any) -> None:
+        fields = dict(self.defaults)
+        for key in ("task_id", "reference"):
+            if f"mappa_{key}" in meta:
+                fields[key] = meta[f"mappa_{key}"]
+        metadata = dict(fields.pop("metadata", None) or {})
+        metadata.update(meta.get("mappa_episode_metadata") or {})
+        if meta.get("thread_id") is not None:
+            metadata["thread_id"] = str(meta["thread_id"])
+        if meta.get("checkpoint_ns"):
+            metadata["checkpoint_ns"] = meta["checkpoint_ns"]
+        start = meta.get("checkpoint_id") or (extra or {}).get("checkpoint_id")
+        if start:
+            metadata["start_checkpoint_id"] = start
+        if isinstance(inputs, self._command_type) and inputs.resume is not None:
+            metadata["resumed"] = True
+        self.episode = Episode(run=self.run, input=to_jsonable(inputs), started_at=at, metadata=metadata, **fields)
+        self.root = run_id
+        self.root_ns = meta.get("langgraph_checkpoint_ns")
+        self.ns_of_run[run_id] = self.root_ns
+
+    def _chain_end(self, run_id: UUID, parent: Any, meta: Any, outputs: Any, at: float, extra: Any) -> None:
+        node_run = self.node_by_run.get(run_id)
+        if node_run is not None:
+            action = node_run.action
+            action.latency_s = at - action.started_at
+            if isinstance(outputs, self._command_type):  # a node that routes by returning Command(goto=...)
+                action.handoff = self._targets(outputs) or None
+            action.node_output = self._output(outputs)
+        if run_id == self.root:
+            self.episode.final_state = to_jsonable(outputs)
+            self._root_end(at, extra)
+
+    def _chain_error(self, run_id: UUID, parent: Any, meta: Any, error: BaseException, at: float, extra: Any) -> None:
+        node_run = self.node_by_run.get(run_id)
+        if node_run is not None:
+            action = node_run.action
+            action.latency_s = at - action.started_at
+            if isinstance(error, self._handoff_type):
+                command = error.args[0]
+                action.handoff = self._targets(command)
+                action.node_output = self._output(command)
+            elif isinstance(error, self._interrupt_type):
+                action.status = "interrupted"
+                action.node_output = {"interrupts": self._interrupts(error)}
+                self._mark(node_run, "interrupted", None, inner=False)
+            else:
+                action.status, action.error = "error", _describe(error)
+                self._mark(node_run, "error", action.error)
+        if run_id == self.root:
+            if isinstance(error, self._interrupt_type):  # no checkpointer: the interrupt reaches the caller
+                self._interrupts(error)
+            else:
+                self.episode.status, self.episode.error = "error", _describe(error)
+            self._root_end(at, extra)
+
+    def _root_end(self, at: float, extra: Any) -> None:
+        self.episode.ended_at = at
+        if (extra or {}).get("checkpoint_id"):
+            self.episode.metadata["end_checkpoint_id"] = extra["checkpoint_id"]
+
+    def _mark(self, node_run: _NodeRun, status: str, error: str | None, *, inner: bool = True) -> None:
+        """A node task that failed takes every model call made inside it along, its inner nodes' included:
+        they are what the retry threw away. One that paused in interrupt() takes only its own calls (the
+        node reruns on resume; inner nodes that finished are kept by the subgraph's checkpoint)."""
+        for action in node_run.llm_actions:
+            if action.status == "ok":
+                action.status = status  # type: ignore[assignment]
+                if error is not None and action.error is None:
+                    action.error = f"its node attempt failed after this call: {error}"
+        for child in node_run.children if inner else ():
+            if child.action.status == "ok":
+                child.action.status = status  # type: ignore[assignment]
+                if error is not None and child.action.error is None:
+                    child.action.error = f"its enclosing node attempt failed: {error}"
+            self._mark(child, status, error)
+
+    # ---- control flow -------------------------------------------------------------------------------------
+    def _targets(self, command: Any) -> list[str]:
+        goto = getattr(command, "goto", None)
+        goto = goto if isinstance(goto, (list, tuple)) else [goto] if goto else []
+        return [g.node if isinstance(g, self._send_type) else str(g) for g in goto]
+
+    def _output(self, value: Any) -> Any:
+        if isinstance(value, self._command_type):
+            record: dict[str, Any] = {"goto": self._targets(value)}
+            if value.graph is not None:  # Command.PARENT, which LangGraph rewrites to the parent's namespace
+                record["graph"] = "parent"
+            if value.update is not None:
+                record["update"] = to_jsonable(value.update)
+            if value.resume is not None:
+                record["resume"] = to_jsonable(value.resume)
+            return {"command": record}
+        return to_jsonable(value)
+
+    def _interrupts(self, error: BaseException) -> list[dict[str, Any]]:
+        found = error.args[0] if error.args else ()
+        found = found if isinstance(found, (list, tuple)) else [found]
+        records = [{"value": to_jsonable(getattr(i, "value", i)), "id": getattr(i, "id", None)} for i in found]
+        for record in records:
+            self.interrupts.setdefault(record["id"] or str(len(self.interrupts)), record["value"])
+        return records
+
+    # ---- model calls ----------------------------------------------------------------------------------------
+    def _llm_start(self, run_id: UUID, parent: Any, meta: Mapping[str, Any], messages: Any, at: float,
+                   params: Any) -> None:
+        ns = meta.get("langgraph_checkpoint_ns")
+        self.ns_of_run[run_id] = ns
+        node_run = self.node_by_ns.get(ns) if ns is not None else None
+        params = params or {}
+        if node_run is not None:
+            node_run.seq += 1
+            key = node_run.key + ((node_run.last_child_step, _LAST, 0, node_run.seq),)
+            template = node_run.action
+            node, agent, path, attempt = template.node, template.agent, template.path, template.attempt
+        else:  # a model called outside any node task (the instrumented runnable is not a graph)
+            self.root_seq += 1
+            key = ((self.root_last_step, _LAST, 0, self.root_seq),)
+            node = meta.get("langgraph_node") or "?"
+            agent, path, attempt = self.agents((node,)), None, 1
+        action = Action(
+            episode_id=self.episode.id,
+            kind="llm",
+            node=node,
+            agent=agent,
+            path=path,
+            attempt=attempt,
+            train_failed=self.train_failed,
+            step=meta.get("langgraph_step"),
+            checkpoint_ns=ns,
+            parent_id=node_run.action.parent_id if node_run else None,
+            input_messages=[message_to_dict(m) for m in (messages[0] if messages else [])],
+            model=params.get("model") or params.get("model_name") or meta.get("ls_model_name"),
+            started_at=at,
+        )
+        self.llm_by_run[run_id] = (action, key)
+        self.order.append((key, action))
+        if node_run is not None:
+            node_run.llm_actions.append(action)
+
+    def _llm_end(self, run_id: UUID, parent: Any, meta: Any, response: Any, at: float, _: Any) -> None:
+        action = self.llm_by_run.get(run_id, (None, None))[0]
+        if action is None:
+            return
+        action.latency_s = at - action.started_at
+        generations = response.generations[0] if response.generations else []
+        if not generations:
+            return
+        message = getattr(generations[0], "message", None)
+        if message is None:
+            action.output_message = {"role": "assistant", "content": getattr(generations[0], "text", "")}
+            return
+        action.output_message = message_to_dict(message)
+        for call in action.output_message.get("tool_calls", []):
+            action.tool_calls.append(ToolCall(id=call.get("id"), name=call["name"], args=call.get("args", {})))
+            if call.get("id"):
+                self.call_owner[call["id"]] = action
+        copy_token_record(action, getattr(message, "response_metadata", None) or {})
+
+    def _llm_error(self, run_id: UUID, parent: Any, meta: Any, error: BaseException, at: float, _: Any) -> None:
+        action = self.llm_by_run.get(run_id, (None, None))[0]
+        if action is not None:
+            action.status, action.error = "error", _describe(error)
+            action.latency_s = at - action.started_at
+
+    # ---- tool calls -----------------------------------------------------------------------------------------
+    def _tool_start(self, run_id: UUID, parent: Any, meta: Mapping[str, Any], _input: Any, at: float,
+                    extra: Any) -> None:
+        name, call_id = extra
+        # A chain the tool runs (an LLM chain, an agent as a tool) is inside this node task, not a new attempt.
+        self.ns_of_run[run_id] = meta.get("langgraph_checkpoint_ns")
+        self.tool_by_run[run_id] = (name, call_id, at, meta.get("langgraph_checkpoint_ns"))
+
+    def _tool_end(self, run_id: UUID, parent: Any, meta: Any, output: Any, at: float, _: Any) -> None:
+        self._tool_done(run_id, output, None, at)
+
+    def _tool_error(self, run_id: UUID, parent: Any, meta: Any, error: BaseException, at: float, _: Any) -> None:
+        self._tool_done(run_id, None, _describe(error), at)
+
+    def _tool_done(self, run_id: UUID, output: Any, error: str | None, at: float) -> None:
+        if run_id not in self.tool_by_run:
+            return
+        name, call_id, started, ns = self.tool_by_run.pop(run_id)
+        if isinstance(output, self._command_type):  # a handoff tool: what it says is the ToolMessage it adds
+            output = _tool_message_of(output, call_id) or f"Command(goto={self._targets(output)})"
+        if isinstance(output, ToolMessage):
+            call_id = call_id or output.tool_call_id
+            text = content_text(output.content)
+            if output.status == "error" and error is None:
+                error = text
+        else:
+            text = "" if output is None else content_text(output) if isinstance(output, (str, list)) else str(output)
+        result = ToolResult(tool_call_id=call_id, name=name, output=text, error=error, latency_s=at - started)
+        node_run = self.node_by_ns.get(ns) if ns is not None else None
+        if node_run is not None:
+            node_run.tool_results.append(result)
+        # The LLM action that asked for this call also gets its result: the judge scores a tool call by it.
+        owner = self.call_owner.get(call_id) if call_id else None
+        if owner is not None:
+            owner.tool_results.append(result)
+
+    # ---- the episode ----------------------------------------------------------------------------------------
+    def _finish(self) -> Episode:
+        episode = self.episode
+        kept: list[Action] = []
+        for _, action in sorted(self.order, key=lambda item: item[0]):
+            if action.kind == "node":
+                node_run = self.node_of_action[action.id]
+                action.tool_results = node_run.tool_results
+                # A node whose model calls or inner nodes are recorded needs no action of its own; one with
+                # neither (a ToolNode, plain code) still shows, so the judge sees the whole team's work.
+                if node_run.llm_actions or node_run.children:
+                    for llm_action in node_run.llm_actions:
+                        llm_action.node_output = action.node_output
+                        llm_action.handoff = llm_action.handoff or action.handoff
+                    continue
+            kept.append(action)
+        ids = {a.id for a in kept}
+        for i, action in enumerate(kept):
+            action.index = i
+            if action.parent_id not in ids:
+                action.parent_id = None
+        episode.actions = kept
+        episode.interrupts = list(self.interrupts.values())
+        if episode.status != "error" and episode.interrupts:
+            episode.status = "interrupted"
+        return episode
+
+
+def copy_token_record(action: Action, response_metadata: Mapping[str, Any]) -> None:
+    """Take the token ids and behaviour log-probs a backend reported (local policy or vLLM) onto the Action."""
+    record = response_metadata.get(MAPPA_KEY)
+    if not isinstance(record, Mapping):
+        return
+    action.prompt_token_ids = _ints(record.get("prompt_token_ids"))
+    action.output_token_ids = _ints(record.get("output_token_ids"))
+    logprobs = record.get("output_logprobs")
+    action.output_logprobs = [float(x) for x in logprobs] if logprobs is not None else None
+    action.token_source = record.get("token_source")
+    if record.get("agent"):
+        # The call went to this agent's adapter: that is where its gradient belongs.
+        action.agent = str(record["agent"])
+    action.adapter = record.get("adapter")
+    action.model = record.get("model") or action.model
+    if record.get("temperature") is not None:  # the behaviour distribution the log-probs are under
+        action.temperature = float(record["temperature"])
+
+
+def _tool_message_of(command: Any, call_id: str | None) -> ToolMessage | None:
+    update = getattr(command, "update", None)
+    messages = update.get("messages") if isinstance(update, Mapping) else None
+    for message in reversed(messages or []):
+        if isinstance(message, ToolMessage) and (call_id is None or message.tool_call_id == call_id):
+            return message
+    return None
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _step(step: Any) -> int:
+    return step if isinstance(step, int) else -1
+
+
+def _path_key(path: Any) -> tuple[Any, ...]:
+    """LangGraph's task path (`('__pregel_pull', 'coder')`, `('__pregel_push', 2, ...)`) as a sortable tuple:
+    numbers compare as numbers, names as names."""
+    if path is None:
+        return ()
+    items = path if isinstance(path, (list, tuple)) else (path,)
+    key: list[Any] = []
+    for item in items:
+        if isinstance(item, (list, tuple)):
+            key.append((2, _path_key(item)))
+        elif isinstance(item, bool) or not isinstance(item, int):
+            key.append((1, str(item)))
+        else:
+            key.append((0, item))
+    return tuple(key)
+
+
+def _ints(values: Sequence[Any] | None) -> list[int] | None:
+    return [int(v) for v in values] if values is not None else None

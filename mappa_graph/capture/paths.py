@@ -1,0 +1,90 @@
+"""Node paths and agent boundaries: which agent a node task belongs to.
+
+A node task's place in a LangGraph run is its checkpoint namespace, `researcher:<task id>|agent:<task id>`:
+one `name:task id` segment per graph level, outermost first. Its node path is the names alone,
+`("researcher", "agent")`, written `researcher/agent`. By default the agent is the path's first name, the
+outermost node below the instrumented graph: a supervisor's or swarm's worker, a subgraph node, or a plain node
+(whose path has one name). `agents=` changes that with a mapping over paths (the longest matching prefix wins)
+or a function of the path. Never imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+INTERNAL_NODES = frozenset({"__start__", "__end__"})
+
+AgentsSpec = Mapping[str, str] | Callable[[tuple[str, ...]], str | None]
+
+
+def node_path(checkpoint_ns: str, root_ns: str | None = None) -> tuple[str, ...]:
+    """The node names of a checkpoint namespace, below the instrumented graph's own namespace (set when that
+    graph itself runs inside another graph's node)."""
+    if root_ns and checkpoint_ns.startswith(root_ns + "|"):
+        checkpoint_ns = checkpoint_ns[len(root_ns) + 1 :]
+    return tuple(segment.split(":", 1)[0] for segment in checkpoint_ns.split("|"))
+
+
+def is_internal(path: tuple[str, ...]) -> bool:
+    """`__start__` (with the router of a conditional START edge, as in a swarm) and `__end__` are LangGraph's
+    plumbing, not anyone's turn."""
+    return any(name in INTERNAL_NODES for name in path)
+
+
+def graph_paths(graph: Any) -> list[str]:
+    """Every node path of a compiled graph that LangGraph can see statically: its nodes, and the nodes of the
+    subgraphs they run (prebuilt agents, supervisor and swarm workers), at any depth."""
+    paths = [name for name in getattr(graph, "nodes", {}) if name not in INTERNAL_NODES]
+    try:
+        subgraphs = list(graph.get_subgraphs(recurse=True))
+    except Exception:  # noqa: BLE001 - a node LangGraph cannot inspect (a remote graph): outer names still hold
+        return paths
+    for namespace, subgraph in subgraphs:
+        prefix = namespace.replace("|", "/")
+        paths += [f"{prefix}/{name}" for name in getattr(subgraph, "nodes", {}) if name not in INTERNAL_NODES]
+    return list(dict.fromkeys(paths))
+
+
+class AgentResolver:
+    """Maps a node path to its agent: `agents[path]` for the longest mapped prefix of the path, or
+    `agents(path)` when it is a function (None falls back to the default), else the path's first name."""
+
+    def __init__(self, agents: AgentsSpec | None = None) -> None:
+        self.function = agents if callable(agents) and not isinstance(agents, Mapping) else None
+        self.mapping = {} if self.function is not None or agents is None else dict(agents)  # type: ignore[arg-type]
+        self._cache: dict[tuple[str, ...], str] = {}
+
+    def __call__(self, path: tuple[str, ...]) -> str:
+        agent = self._cache.get(path)
+        if agent is None:
+            agent = self._cache[path] = self._resolve(path)
+        return agent
+
+    def _resolve(self, path: tuple[str, ...]) -> str:
+        if self.function is not None:
+            agent = self.function(path)
+            if agent is not None:
+                return str(agent)
+        for end in range(len(path), 0, -1):
+            agent = self.mapping.get("/".join(path[:end]))
+            if agent is not None:
+                return agent
+        return path[0]
+
+    def check(self, graph: Any) -> None:
+        """Refuse mapping keys that name no node path of `graph`, naming the paths there are. A key below a
+        node whose inside LangGraph cannot see (a graph built inside the node's function) is accepted when its
+        first name is a node."""
+        if not self.mapping:
+            return
+        paths = graph_paths(graph)
+        known = set(paths)
+        opaque = {p for p in paths if "/" not in p and not any(q.startswith(p + "/") for q in paths)}
+        unknown = [key for key in self.mapping if key not in known and key.split("/", 1)[0] not in opaque]
+        if unknown:
+            raise ValueError(
+                f"unknown node {', '.join(repr(k) for k in unknown)} in agents= (graph node paths: "
+                f"{', '.join(paths)}); key agents= by a node path such as 'worker' or 'worker/agent', or pass "
+                "a function of the path"
+            )

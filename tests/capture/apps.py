@@ -1,0 +1,295 @@
+"""Multi-agent apps built the way LangGraph users build them, with the real constructors: `create_supervisor`
+(langgraph-supervisor), `create_swarm` and its handoff tool (langgraph-swarm), `create_react_agent`
+(langgraph.prebuilt), a subgraph node fed by `Send` with `with_structured_output` inside a node, a node with a
+RetryPolicy that fails once, and `interrupt()` on an InMemorySaver thread.
+
+Every model is tests.fakes.ScriptedChatModel: its reply is a pure function of the prompt (the task number and
+which tool results it has seen), never a shared iterator, so batch and parallel branches stay reproducible.
+Each factory returns a fresh compiled graph; `EXPECTED[name](n)` is the (agent, path, kind, what it did) list
+the instrumented graph must record for task n.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+import warnings
+from collections.abc import Callable
+from typing import Annotated, Any, TypedDict
+
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import RetryPolicy, Send, interrupt
+from pydantic import BaseModel
+
+from tests.fakes import ScriptedChatModel
+
+with warnings.catch_warnings():  # create_react_agent moved to langchain.agents in LangGraph 1.0; still the prebuilt
+    warnings.simplefilter("ignore")
+    from langgraph.prebuilt import create_react_agent
+from langgraph_supervisor import create_supervisor
+from langgraph_swarm import SwarmState, create_handoff_tool, create_swarm
+
+
+def number(messages: list[BaseMessage]) -> int:
+    for m in messages:
+        found = re.search(r"task-(\d+)", str(m.content))
+        if found:
+            return int(found.group(1))
+    raise AssertionError("no task-N in the prompt")
+
+
+def seen(messages: list[BaseMessage], tool_name: str) -> ToolMessage | None:
+    return next((m for m in reversed(messages) if isinstance(m, ToolMessage) and m.name == tool_name), None)
+
+
+def call(name: str, args: dict[str, Any], call_id: str) -> AIMessage:
+    return AIMessage(content="", tool_calls=[{"name": name, "args": args, "id": call_id}])
+
+
+@tool
+def search(query: str) -> str:
+    """Search the web."""
+    return f"facts about {query}"
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def react_agent(name: str, script: Callable[[list[BaseMessage]], AIMessage], tools: list[Any]) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return create_react_agent(ScriptedChatModel(script=script), tools, name=name)
+
+
+# ---- supervisor over two react agents ---------------------------------------------------------------------
+def researcher_script(messages: list[BaseMessage]) -> AIMessage:
+    n, found = number(messages), seen(messages, "search")
+    return AIMessage(f"research: {found.content}") if found else call("search", {"query": f"task-{n}"}, f"s-{n}")
+
+
+def math_script(messages: list[BaseMessage]) -> AIMessage:
+    n, found = number(messages), seen(messages, "add")
+    return AIMessage(f"sum: {found.content}") if found else call("add", {"a": n, "b": 1}, f"a-{n}")
+
+
+def supervisor_script(messages: list[BaseMessage]) -> AIMessage:
+    n = number(messages)
+    if not seen(messages, "transfer_to_researcher"):
+        return call("transfer_to_researcher", {}, f"h-r-{n}")
+    if not seen(messages, "transfer_to_math_expert"):
+        return call("transfer_to_math_expert", {}, f"h-m-{n}")
+    return AIMessage(f"done task-{n}")
+
+
+def supervisor_app(supervisor_model: Any = None, workers: list[Any] | None = None) -> Any:
+    workers = workers or [react_agent("researcher", researcher_script, [search]),
+                          react_agent("math_expert", math_script, [add])]
+    model = supervisor_model or ScriptedChatModel(script=supervisor_script)
+    return create_supervisor(workers, model=model, prompt="You route the task.").compile()
+
+
+def supervisor_expected(n: int) -> list[tuple]:
+    return [
+        ("supervisor", "supervisor/agent", "llm", "", ["transfer_to_researcher"]),
+        ("supervisor", "supervisor/tools", "node", "handoff:researcher", []),
+        ("researcher", "researcher/agent", "llm", "", ["search"]),
+        ("researcher", "researcher/tools", "node", "", []),
+        ("researcher", "researcher/agent", "llm", f"research: facts about task-{n}", []),
+        ("supervisor", "supervisor/agent", "llm", "", ["transfer_to_math_expert"]),
+        ("supervisor", "supervisor/tools", "node", "handoff:math_expert", []),
+        ("math_expert", "math_expert/agent", "llm", "", ["add"]),
+        ("math_expert", "math_expert/tools", "node", "", []),
+        ("math_expert", "math_expert/agent", "llm", f"sum: {n + 1}", []),
+        ("supervisor", "supervisor/agent", "llm", f"done task-{n}", []),
+    ]
+
+
+# ---- swarm: alice adds, then hands off to bob ---------------------------------------------------------------
+def alice_script(messages: list[BaseMessage]) -> AIMessage:
+    n = number(messages)
+    if not seen(messages, "add"):
+        return call("add", {"a": n, "b": 2}, f"a-{n}")
+    return call("transfer_to_bob", {}, f"h-b-{n}")
+
+
+def bob_script(messages: list[BaseMessage]) -> AIMessage:
+    n = number(messages)
+    return AIMessage(f"bob: task-{n} is {seen(messages, 'add').content}")
+
+
+def swarm_app() -> Any:
+    alice = react_agent("alice", alice_script, [add, create_handoff_tool(agent_name="bob")])
+    bob = react_agent("bob", bob_script, [create_handoff_tool(agent_name="alice")])
+    return create_swarm([alice, bob], default_active_agent="alice", state_schema=SwarmState).compile()
+
+
+def swarm_expected(n: int) -> list[tuple]:
+    return [
+        ("alice", "alice/agent", "llm", "", ["add"]),
+        ("alice", "alice/tools", "node", "", []),
+        ("alice", "alice/agent", "llm", "", ["transfer_to_bob"]),
+        ("alice", "alice/tools", "node", "handoff:bob", []),
+        ("bob", "bob/agent", "llm", f"bob: task-{n} is {n + 2}", []),
+    ]
+
+
+# ---- a structured-output planner, Send fan-out to a subgraph node, a writer ---------------------------------
+class Plan(BaseModel):
+    parts: list[str]
+
+
+class TeamState(TypedDict, total=False):
+    task: str
+    parts: list[str]
+    drafts: Annotated[list[str], operator.add]
+    report: str
+
+
+class PartState(TypedDict, total=False):
+    part: str
+    drafts: Annotated[list[str], operator.add]
+
+
+def planner_script(messages: list[BaseMessage]) -> AIMessage:
+    n = number(messages)
+    return call("Plan", {"parts": [f"task-{n}.a", f"task-{n}.b", f"task-{n}.c"]}, f"p-{n}")
+
+
+def fanout_app() -> Any:
+    planner = ScriptedChatModel(script=planner_script).with_structured_output(Plan)
+    drafter = ScriptedChatModel(script=lambda m: AIMessage(f"draft of {m[-1].content}"))
+    writer = ScriptedChatModel(script=lambda m: AIMessage(f"report on task-{number(m)}: {m[-1].content}"))
+
+    def draft(state: PartState) -> dict:
+        return {"drafts": [drafter.invoke([HumanMessage(state["part"])]).content]}
+
+    def check(state: PartState) -> dict:
+        return {}
+
+    part = StateGraph(PartState)
+    part.add_node("draft", draft)
+    part.add_node("check", check)
+    part.add_edge(START, "draft")
+    part.add_edge("draft", "check")
+    part.add_edge("check", END)
+
+    def plan(state: TeamState) -> dict:
+        return {"parts": planner.invoke([HumanMessage(f"plan {state['task']}")]).parts}
+
+    def write(state: TeamState) -> dict:
+        drafts = " | ".join(state["drafts"])
+        return {"report": writer.invoke([HumanMessage(state["task"]), HumanMessage(drafts)]).content}
+
+    team = StateGraph(TeamState)
+    team.add_node("plan", plan)
+    team.add_node("part", part.compile())
+    team.add_node("write", write)
+    team.add_edge(START, "plan")
+    team.add_conditional_edges("plan", lambda s: [Send("part", {"part": p}) for p in s["parts"]], ["part"])
+    team.add_edge("part", "write")
+    team.add_edge("write", END)
+    return team.compile()
+
+
+def fanout_expected(n: int) -> list[tuple]:
+    parts = [f"task-{n}.{x}" for x in "abc"]
+    drafts = " | ".join(f"draft of {p}" for p in parts)
+    return [
+        ("plan", "plan", "llm", "", ["Plan"]),
+        *[row for p in parts for row in (("part", "part/draft", "llm", f"draft of {p}", []),
+                                         ("part", "part/check", "node", "", []))],
+        ("write", "write", "llm", f"report on task-{n}: {drafts}", []),
+    ]
+
+
+# ---- a node with a RetryPolicy that fails once ---------------------------------------------------------------
+class Flaky(Exception):
+    """A transient failure LangGraph's default retry_on retries."""
+
+
+class DocState(TypedDict, total=False):
+    task: str
+    draft: str
+    published: str
+
+
+def retry_app() -> Any:
+    failed: set[str] = set()  # per task, so batch and parallel calls each fail exactly once
+    writer = ScriptedChatModel(script=lambda m: AIMessage(f"draft for {m[-1].content}"))
+    editor = ScriptedChatModel(script=lambda m: AIMessage(f"edited {m[-1].content}"))
+
+    def write(state: DocState) -> dict:
+        return {"draft": writer.invoke([HumanMessage(state["task"])]).content}
+
+    def publish(state: DocState) -> dict:
+        edited = editor.invoke([HumanMessage(state["draft"])]).content
+        if state["task"] not in failed:
+            failed.add(state["task"])
+            raise Flaky("the press was busy")
+        return {"published": edited}
+
+    graph = StateGraph(DocState)
+    graph.add_node("write", write)
+    graph.add_node("publish", publish, retry_policy=RetryPolicy(max_attempts=3, initial_interval=0.0, jitter=False))
+    graph.add_edge(START, "write")
+    graph.add_edge("write", "publish")
+    graph.add_edge("publish", END)
+    return graph.compile()
+
+
+def retry_expected(n: int) -> list[tuple]:
+    return [
+        ("write", "write", "llm", f"draft for task-{n}", []),
+        ("publish", "publish", "llm", f"edited draft for task-{n}", [], 1, "error"),
+        ("publish", "publish", "llm", f"edited draft for task-{n}", [], 2, "ok"),
+    ]
+
+
+# ---- interrupt() on a checkpointed thread ---------------------------------------------------------------------
+def interrupt_app() -> Any:
+    writer = ScriptedChatModel(script=lambda m: AIMessage(f"draft for {m[-1].content}"))
+
+    def write(state: DocState) -> dict:
+        return {"draft": writer.invoke([HumanMessage(state["task"])]).content}
+
+    def review(state: DocState) -> dict:
+        verdict = interrupt({"approve": state["draft"]})
+        return {"published": f"{verdict}: {state['draft']}"}
+
+    graph = StateGraph(DocState)
+    graph.add_node("write", write)
+    graph.add_node("review", review)
+    graph.add_edge(START, "write")
+    graph.add_edge("write", "review")
+    graph.add_edge("review", END)
+    return graph.compile(checkpointer=InMemorySaver())
+
+
+def interrupt_expected(n: int) -> list[tuple]:
+    return [
+        ("write", "write", "llm", f"draft for task-{n}", []),
+        ("review", "review", "node", "interrupted", []),
+    ]
+
+
+def message_input(n: int) -> dict:
+    return {"messages": [HumanMessage(f"solve task-{n}")]}
+
+
+def task_input(n: int) -> dict:
+    return {"task": f"task-{n}"}
+
+
+APPS: dict[str, tuple[Callable[[], Any], Callable[[int], dict], Callable[[int], list[tuple]]]] = {
+    "supervisor": (supervisor_app, message_input, supervisor_expected),
+    "swarm": (swarm_app, message_input, swarm_expected),
+    "fanout": (fanout_app, task_input, fanout_expected),
+    "retry": (retry_app, task_input, retry_expected),
+    "interrupt": (interrupt_app, task_input, interrupt_expected),
+}

@@ -1,0 +1,39 @@
+"""Node paths and agent boundaries: the agent of a node task is decided by its namespace path."""
+
+from __future__ import annotations
+
+import pytest
+
+from mappa_graph.capture.paths import AgentResolver, graph_paths, is_internal, node_path
+from tests.graphs import build_graph
+
+
+def test_node_path_strips_task_ids_and_the_instrumented_graphs_own_namespace() -> None:
+    assert node_path("researcher:1f2|agent:9a8") == ("researcher", "agent")
+    assert node_path("outer:1|team:2|agent:3", root_ns="outer:1") == ("team", "agent")
+    assert node_path("planner:77") == ("planner",)
+    assert is_internal(("__start__",)) and is_internal(("team", "__start__")) and not is_internal(("team", "agent"))
+
+
+def test_default_agent_is_the_outermost_node_and_the_longest_mapped_prefix_wins() -> None:
+    default = AgentResolver()
+    assert default(("researcher", "agent")) == "researcher" and default(("planner",)) == "planner"
+    mapped = AgentResolver({"team": "crew", "team/coder": "coder", "team/coder/inner": "deep"})
+    assert mapped(("team", "planner")) == "crew"
+    assert mapped(("team", "coder")) == "coder"
+    assert mapped(("team", "coder", "inner", "x")) == "deep"
+    assert mapped(("solo",)) == "solo"
+
+
+def test_a_function_of_the_path_may_defer_to_the_default() -> None:
+    resolve = AgentResolver(lambda path: f"{path[0]}-{path[-1]}" if len(path) > 1 else None)
+    assert resolve(("team", "agent")) == "team-agent"
+    assert resolve(("planner",)) == "planner"
+
+
+def test_paths_of_a_plain_graph_and_the_refusal_names_them() -> None:
+    graph = build_graph().compile()
+    assert graph_paths(graph) == ["planner", "coder", "tools"]
+    AgentResolver({"coder": "analyst"}).check(graph)
+    with pytest.raises(ValueError, match=r"unknown node 'planer' in agents= \(graph node paths: planner, coder, tools\)"):
+        AgentResolver({"planer": "p"}).check(graph)

@@ -1,0 +1,260 @@
+"""instrument() on the multi-agent apps people build (tests/capture/apps.py): supervisor, swarm, subgraph + Send +
+structured output, a retried node, interrupt() and resume. For each call style: the same outputs as the plain
+graph, one episode per call, and the ordered (agent, path, kind, what it did) of every action."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from langchain_core.messages import BaseMessage
+from langgraph.types import Command, Interrupt
+from pydantic import BaseModel
+
+from mappa_graph import TraceStore, instrument
+from mappa_graph.judging.llm_prompt import build_prompt
+from mappa_graph.messages import content_text
+from tests.capture.apps import APPS, interrupt_app, retry_app, supervisor_app, task_input
+
+pytestmark = pytest.mark.filterwarnings("ignore::langgraph.warnings.LangGraphDeprecatedSinceV10")
+
+STYLES = ["invoke", "stream_updates", "stream_messages", "ainvoke", "astream", "batch"]
+
+
+def norm(x: Any) -> Any:
+    """What must be equal between a plain and an instrumented run: no random message or task ids."""
+    if isinstance(x, BaseMessage):
+        calls = [(c["name"], c["args"]) for c in getattr(x, "tool_calls", None) or []]
+        return (type(x).__name__.replace("Chunk", ""), x.name, content_text(x.content), calls)
+    if isinstance(x, Interrupt):
+        return ("interrupt", norm(x.value))
+    if isinstance(x, BaseModel):
+        return norm(x.model_dump())
+    if isinstance(x, dict):
+        if "langgraph_node" in x:  # stream_mode="messages" metadata: task ids differ run to run
+            return ("node", x["langgraph_node"])
+        return {k: norm(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [norm(v) for v in x]
+    return x
+
+
+def config(name: str, n: int) -> dict:
+    return {"configurable": {"thread_id": f"{name}-{n}"}} if name == "interrupt" else {}
+
+
+def run_style(graph: Any, name: str, style: str, ns: list[int]) -> list[Any]:
+    """Run `graph` the way `style` says; returns one comparable output per call."""
+    make_input = APPS[name][1]
+    if style == "invoke":
+        return [norm(graph.invoke(make_input(n), config(name, n))) for n in ns]
+    if style in ("stream_updates", "stream_messages"):
+        mode = style.split("_")[1]
+        return [sorted(map(repr, norm(list(graph.stream(make_input(n), config(name, n), stream_mode=mode)))))
+                for n in ns]
+    if style == "batch":
+        return [norm(o) for o in graph.batch([make_input(n) for n in ns], [config(name, n) for n in ns])]
+
+    async def run() -> list[Any]:
+        if style == "ainvoke":
+            outs = await asyncio.gather(*(graph.ainvoke(make_input(n), config(name, n)) for n in ns))
+            return [norm(o) for o in outs]
+        return [sorted(map(repr, norm([c async for c in graph.astream(make_input(n), config(name, n))])))
+                for n in ns]
+
+    return asyncio.run(run())
+
+
+def did(action: Any) -> str:
+    if action.kind == "llm":
+        return action.output_text
+    if action.handoff:
+        return "handoff:" + ",".join(action.handoff)
+    return "interrupted" if action.status == "interrupted" else ""
+
+
+def summary(action: Any) -> tuple:
+    return (action.agent, action.path, action.kind, did(action), [c.name for c in action.tool_calls],
+            action.attempt, action.status)
+
+
+def expected_rows(name: str, n: int) -> list[tuple]:
+    rows = APPS[name][2](n)
+    return [r if len(r) == 7 else (*r, 1, "interrupted" if r[3] == "interrupted" else "ok") for r in rows]
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("name", list(APPS))
+def test_app_traces_match_the_plain_graph_in_every_call_style(name: str, style: str) -> None:
+    factory = APPS[name][0]
+    ns = [1, 2, 3, 4] if style == "batch" else [7]
+    plain, app = factory(), instrument(factory())
+    assert run_style(app, name, style, ns) == run_style(plain, name, style, ns)
+    episodes = app.episodes
+    assert len(episodes) == len(ns)  # exactly one episode per call
+    by_task = {}
+    for ep in episodes:
+        n = int(str(ep.input).split("task-")[1].split("'")[0].split('"')[0])
+        by_task[n] = ep
+        assert [summary(a) for a in ep.actions] == expected_rows(name, n), (name, style, n)
+        assert [a.index for a in ep.actions] == list(range(len(ep.actions)))
+        assert all(a.error is None for a in ep.actions if a.status == "ok")
+        assert not any(a.node.startswith("__") for a in ep.actions)
+        if name == "interrupt":
+            assert (ep.status, ep.interrupts) == ("interrupted", [{"approve": f"draft for task-{n}"}])
+            assert ep.metadata["thread_id"] == f"interrupt-{n}" and ep.metadata["end_checkpoint_id"]
+        else:
+            assert (ep.status, ep.error, ep.interrupts) == ("ok", None, [])
+    assert sorted(by_task) == ns
+
+
+def test_supervisor_model_calls_and_tool_results_per_worker() -> None:
+    app = instrument(supervisor_app())
+    app.invoke({"messages": [{"role": "user", "content": "solve task-5"}]})
+    ep = app.last_episode
+    research_call = ep.actions[2]
+    assert [(c.name, c.args) for c in research_call.tool_calls] == [("search", {"query": "task-5"})]
+    assert [(r.name, r.output) for r in research_call.tool_results] == [("search", "facts about task-5")]
+    handoff_call, handoff_node = ep.actions[0], ep.actions[1]
+    # the handoff tool's result is the message it adds, not a Command repr, and no error anywhere
+    assert [(r.name, r.output, r.error) for r in handoff_call.tool_results] == [
+        ("transfer_to_researcher", "Successfully transferred to researcher", None)]
+    assert handoff_node.node_output["command"]["goto"] == ["researcher"]
+    assert handoff_node.node_output["command"]["graph"] == "parent"
+    assert ep.agents == ["supervisor", "researcher", "math_expert"]
+
+
+def test_judge_sees_a_handoff_as_control_flow_not_failure() -> None:
+    app = instrument(supervisor_app())
+    app.invoke({"messages": [{"role": "user", "content": "solve task-5"}]})
+    ep = app.last_episode
+    text = build_prompt(ep, ep.actions[1]).messages[1].content
+    assert "handed control to researcher (a LangGraph handoff, not an error)" in text
+    assert "ParentCommand" not in text and "failed" not in text
+    later = build_prompt(ep, ep.actions[4]).messages[1].content
+    assert "researcher (node researcher/agent)" in later and "node path: researcher/agent" in later
+
+
+def test_agents_map_over_paths_or_a_function_of_the_path() -> None:
+    app = instrument(supervisor_app(), agents={"supervisor": "router", "researcher/tools": "search_tool"})
+    app.invoke({"messages": [{"role": "user", "content": "solve task-1"}]})
+    agents = [a.agent for a in app.last_episode.actions]
+    assert agents[:5] == ["router", "router", "researcher", "search_tool", "researcher"]
+    app = instrument(supervisor_app(), agents=lambda path: "tools" if path[-1] == "tools" else None)
+    app.invoke({"messages": [{"role": "user", "content": "solve task-1"}]})
+    assert [a.agent for a in app.last_episode.actions][:4] == ["supervisor", "tools", "researcher", "tools"]
+    with pytest.raises(ValueError, match=r"unknown node 'researcher/agnet'.*researcher/agent, researcher/tools"):
+        instrument(supervisor_app(), agents={"researcher/agnet": "r"})
+
+
+def test_failed_attempt_is_judged_as_failed_and_not_trained_unless_asked() -> None:
+    app = instrument(retry_app())
+    app.invoke(task_input(3))
+    ep = app.last_episode
+    failed, succeeded = ep.actions[1], ep.actions[2]
+    assert failed.error == "its node attempt failed after this call: Flaky: the press was busy"
+    assert succeeded.error is None and succeeded.node_output == {"published": "edited draft for task-3"}
+    assert failed.checkpoint_ns == succeeded.checkpoint_ns
+    text = build_prompt(ep, failed).messages[1].content
+    assert "the action itself failed (attempt 1)" in text and "ran this node again" in text
+    assert "(node publish, attempt 2)" not in text
+    later = build_prompt(ep, succeeded).messages[1].content
+    assert "attempt: 2 (earlier attempts of this node failed)" in later
+    assert "#1 publish (node publish, attempt 1, FAILED): edited draft for task-3" in later
+    for action in (failed, succeeded):  # as if a policy backend had reported tokens
+        action.prompt_token_ids, action.output_token_ids = [1, 2], [3]
+    assert (failed.trainable, succeeded.trainable) == (False, True)
+    opted = instrument(retry_app(), train_failed_attempts=True)
+    opted.invoke(task_input(3))
+    failed = opted.last_episode.actions[1]
+    failed.prompt_token_ids, failed.output_token_ids = [1, 2], [3]
+    assert failed.status == "error" and failed.trainable
+
+
+def test_interrupt_and_resume_are_two_episodes_of_one_thread_joined_in_the_store(tmp_path) -> None:
+    store = TraceStore(tmp_path / "t.db")
+    app = instrument(interrupt_app(), store=store)
+    cfg = {"configurable": {"thread_id": "th-1"}}
+    first = app.invoke(task_input(9), cfg)
+    assert first["__interrupt__"][0].value == {"approve": "draft for task-9"}
+    out = app.invoke(Command(resume="approved"), cfg)
+    assert out["published"] == "approved: draft for task-9"
+    app.flush()
+    paused, resumed = store.episodes(thread_id="th-1")
+    assert (paused.status, resumed.status) == ("interrupted", "ok")
+    assert resumed.metadata["resumed"] is True
+    assert resumed.metadata["start_checkpoint_id"] == paused.metadata["end_checkpoint_id"]
+    assert [summary(a)[:4] for a in resumed.actions] == [("review", "review", "node", "")]
+    assert resumed.actions[0].node_output == {"published": "approved: draft for task-9"}
+    text = build_prompt(paused, paused.actions[1]).messages[1].content
+    assert "paused here in interrupt()" in text and "GraphInterrupt" not in text
+    joined = store.join_thread("th-1")
+    assert store.episodes(thread_id="th-1") == [joined]
+    assert joined.id == paused.id and joined.status == "ok" and joined.metadata["joined_episode_ids"] == [
+        paused.id, resumed.id]
+    assert [(a.node, a.status) for a in joined.actions] == [
+        ("write", "ok"), ("review", "interrupted"), ("review", "ok")]
+    assert [a.index for a in joined.actions] == [0, 1, 2] and {a.episode_id for a in joined.actions} == {joined.id}
+    assert store.count("episodes") == 1 and store.count("actions") == 3
+
+
+def test_a_chain_run_inside_a_tool_is_not_a_second_attempt_of_its_node() -> None:
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langchain_core.runnables import RunnableLambda
+    from langchain_core.tools import tool
+
+    from tests.capture.apps import call, number, react_agent, seen
+
+    upper = RunnableLambda(lambda text: text.upper(), name="upper")
+
+    @tool
+    def shout(text: str) -> str:
+        """Shout the text."""
+        return upper.invoke(text)
+
+    def script(messages):
+        found = seen(messages, "shout")
+        return AIMessage(f"heard {found.content}") if found else call("shout", {"text": "hi"}, f"c-{number(messages)}")
+
+    app = instrument(react_agent("crier", script, [shout]))
+    app.invoke({"messages": [HumanMessage("task-3")]})
+    assert [(a.path, a.kind, a.attempt, [r.output for r in a.tool_results]) for a in app.last_episode.actions] == [
+        ("agent", "llm", 1, ["HI"]), ("tools", "node", 1, ["HI"]), ("agent", "llm", 1, [])]
+
+
+def test_a_node_that_hands_off_with_command_parent_keeps_its_model_call_and_target() -> None:
+    from typing import TypedDict
+
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langgraph.graph import END, START, StateGraph
+
+    from tests.fakes import ScriptedChatModel
+
+    class State(TypedDict, total=False):
+        task: str
+        note: str
+        verdict: str
+
+    lead_model = ScriptedChatModel(script=lambda m: AIMessage(f"note on {m[-1].content}"))
+    reviewer_model = ScriptedChatModel(script=lambda m: AIMessage(f"ok: {m[-1].content}"))
+
+    def lead(state: State) -> Command:
+        note = lead_model.invoke([HumanMessage(state["task"])]).content
+        return Command(graph=Command.PARENT, goto="reviewer", update={"note": note})
+
+    inner = StateGraph(State)
+    inner.add_node("lead", lead)
+    inner.add_edge(START, "lead")
+    outer = StateGraph(State)
+    outer.add_node("team", inner.compile())
+    outer.add_node("reviewer", lambda s: {"verdict": reviewer_model.invoke([HumanMessage(s["note"])]).content})
+    outer.add_edge(START, "team")
+    outer.add_edge("reviewer", END)
+    app = instrument(outer.compile())
+    assert app.invoke({"task": "task-4"})["verdict"] == "ok: note on task-4"
+    ep = app.last_episode
+    assert [(a.agent, a.path, a.kind, a.status, a.handoff, a.error) for a in ep.actions] == [
+        ("team", "team/lead", "llm", "ok", ["reviewer"], None),
+        ("reviewer", "reviewer", "llm", "ok", None, None)]
+    assert ep.actions[0].output_text == "note on task-4" and ep.status == "ok"

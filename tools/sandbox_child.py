@@ -15,7 +15,6 @@ import io
 import os
 import sys
 
-
 # Modules that reach past the hook: native memory access (ctypes, _testcapi), interpreters without the
 # hook (subinterpreters), fork+exec without an audit event (_posixsubprocess, loaded before the lock and
 # defused), files opened in C (sqlite3, dbm, shared memory, syslog's socket), /etc/shadow (spwd).
@@ -354,6 +353,7 @@ def load_table(path):
 
 def track_saved_figures():
     import functools
+
     from matplotlib.figure import Figure
 
     original = Figure.savefig

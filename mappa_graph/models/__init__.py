@@ -1,5 +1,6 @@
-"""Models: the shared base (a hub name, a local path, or the offline `tiny` model), one LoRA adapter per agent
-(`AgentPolicies`), the chat model that routes an agent's calls to its adapter, and the supervised warm start.
+"""Models: the shared base (a hub name, a local path, the offline `tiny` model or the real `smollm2-135m`), one
+LoRA adapter per agent (`AgentPolicies`), the chat model that routes an agent's calls to its adapter, the
+batched rollout engine (engine.py), and the supervised warm start.
 
 torch, transformers and peft load on first use, so importing this package stays light.
 """

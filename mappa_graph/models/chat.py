@@ -10,11 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 import uuid
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
@@ -24,6 +26,9 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field
 
 from ..messages import MAPPA_KEY, content_text, message_to_dict
+
+if TYPE_CHECKING:
+    from .policies import Generation
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
@@ -91,17 +96,45 @@ class PolicyChatModel(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        policies = self.policies
-        prompt_ids = policies.render(to_hf_messages(messages), tools=kwargs.get("tools"))
+        prompt_ids, sampling = self._sampling(messages, run_manager, kwargs)
+        gen = self.policies.generate(self.agent, prompt_ids, **sampling)
+        return self._reply(gen, sampling, stop)
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        """With the rollout engine running, a coroutine waits on its batch without holding a thread."""
+        engine = self.policies._engine
+        if engine is None or not engine.alive or self.policies.lock._is_owned():
+            return await super()._agenerate(messages, stop=stop, run_manager=run_manager, **kwargs)
+        from .engine import SampleRequest
+
+        prompt_ids, sampling = self._sampling(messages, run_manager, kwargs)
+        adapter = self.policies.adapter_of[self.agent]
+        gen = await engine.asample(SampleRequest(adapter=adapter, prompt_ids=prompt_ids, **sampling))
+        return self._reply(gen, sampling, stop)
+
+    def _sampling(
+        self, messages: list[BaseMessage], run_manager: Any, kwargs: dict[str, Any]
+    ) -> tuple[list[int], dict[str, Any]]:
+        """The prompt ids and how to sample them: the model's settings, overridden per call by kwargs, with the
+        trainer's greedy flag and the call's seed from the run metadata."""
+        prompt_ids = self.policies.render(to_hf_messages(messages), tools=kwargs.get("tools"))
         meta = (run_manager.metadata if run_manager is not None else None) or {}
-        gen = policies.generate(
-            self.agent,
-            prompt_ids,
-            max_new_tokens=int(kwargs.get("max_new_tokens", self.max_new_tokens)),
-            temperature=float(kwargs.get("temperature", self.temperature)),
-            do_sample=bool(kwargs.get("do_sample", self.do_sample)) and not meta.get("mappa_greedy", False),
-            seed=call_seed(meta, self.agent, prompt_ids),
-        )
+        sampling = {
+            "max_new_tokens": int(kwargs.get("max_new_tokens", self.max_new_tokens)),
+            "temperature": float(kwargs.get("temperature", self.temperature)),
+            "do_sample": bool(kwargs.get("do_sample", self.do_sample)) and not meta.get("mappa_greedy", False),
+            "seed": call_seed(meta, self.agent, prompt_ids),
+        }
+        return prompt_ids, sampling
+
+    def _reply(self, gen: Generation, sampling: dict[str, Any], stop: list[str] | None) -> ChatResult:
+        policies = self.policies
         output_ids, logprobs = gen.output_token_ids, gen.output_logprobs
         text = policies.tokenizer.decode(output_ids, skip_special_tokens=True)
         if stop:
@@ -112,11 +145,13 @@ class PolicyChatModel(BaseChatModel):
             "agent": self.agent,
             "adapter": policies.adapter_of[self.agent],
             "model": policies.base_name,
-            "prompt_token_ids": prompt_ids,
+            "prompt_token_ids": gen.prompt_token_ids,
             "output_token_ids": output_ids,
             "output_logprobs": logprobs,
             "token_source": "backend",
             "finished": gen.finished,
+            # what the log-probs are under (softmax(logits / T)); 0.0: greedy, log-probs recorded at T=1
+            "temperature": sampling["temperature"] if sampling["do_sample"] else 0.0,
         }
         return ChatResult(generations=[ChatGeneration(message=message, generation_info={MAPPA_KEY: record})])
 
@@ -132,14 +167,54 @@ class PolicyChatModel(BaseChatModel):
         return self.bind(tools=formatted, **kwargs)
 
 
-def call_seed(metadata: dict[str, Any], agent: str, prompt_ids: Sequence[int]) -> int | None:
-    """A sampling seed for one call, derived from the episode's `mappa_seed` (set by the trainer) and what
-    the call is, so rollouts are reproducible whatever order concurrent episodes reach the model in."""
+def call_seed(metadata: Mapping[str, Any], agent: str, prompt: Sequence[Any]) -> int | None:
+    """A sampling seed for one call, derived from the episode's `mappa_seed` (set by the trainer) and where the
+    call sits in the run, so a rerun of the episode draws the same streams whatever order concurrent episodes
+    reach the model in, while no two calls of one episode share a stream.
+
+    Where: the task path (the node names of `langgraph_checkpoint_ns`; its task ids are fresh uuids each run, so
+    they cannot be used), the `langgraph_path` that tells two `Send` branches of one node apart, the step, the
+    prompt's content, and a counter of the calls made so far by the same node task (two calls of one node with
+    the same prompt). `prompt` is token ids, or the messages on a remote backend."""
     base = metadata.get("mappa_seed")
     if base is None:
         return None
-    key = f"{base}|{agent}|{metadata.get('langgraph_node')}|{metadata.get('langgraph_step')}|{len(prompt_ids)}"
+    ns = str(metadata.get("langgraph_checkpoint_ns") or "")
+    tasks = "|".join(part.split(":", 1)[0] for part in ns.split("|")) if ns else ""
+    call = _CALLS.next(f"{base}|{ns}") if ns else 0
+    key = (f"{base}|{agent}|{tasks}|{metadata.get('langgraph_path')}|{metadata.get('langgraph_step')}|{call}|"
+           f"{_fingerprint(prompt)}")
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") & 0x7FFFFFFF
+
+
+def _fingerprint(prompt: Sequence[Any]) -> str:
+    """A stable digest of a prompt: token ids as they are, messages by role and text (their ids are random)."""
+    if all(isinstance(t, int) for t in prompt):
+        text = ",".join(map(str, prompt))
+    else:
+        text = "\x1e".join(f"{getattr(m, 'type', '')}:{content_text(getattr(m, 'content', m))}" for m in prompt)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+class _CallCounter:
+    """Calls made so far per node task (keyed by the run's seed and full checkpoint namespace, whose task ids
+    are unique to one run). Bounded: the oldest tasks are forgotten, long after they finished."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self.capacity = capacity
+        self.counts: OrderedDict[str, int] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def next(self, task: str) -> int:
+        with self.lock:
+            n = self.counts.pop(task, 0)
+            self.counts[task] = n + 1
+            if len(self.counts) > self.capacity:
+                self.counts.popitem(last=False)
+            return n
+
+
+_CALLS = _CallCounter()
 
 
 def _cut_at_stop(

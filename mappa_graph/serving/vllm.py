@@ -420,7 +420,11 @@ class VLLMChatModel(ChatOpenAI):
         # vLLM applies the model's generation_config (e.g. top_k=20, top_p=0.8) to requests that leave them
         # unset; the behaviour policy the loss assumes is plain temperature sampling, as on the local backend
         payload.setdefault("top_p", 1.0)
-        payload["extra_body"] = {"top_k": -1, **(payload.get("extra_body") or {}), "return_token_ids": True}
+        # temperature only (issue 13 item 3): the server would otherwise apply the model's generation_config
+        # (repetition_penalty, min_p, top_k...), and the recorded log-probs would not be the distribution training
+        # recomputes
+        payload["extra_body"] = {"top_k": -1, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+                                 **(payload.get("extra_body") or {}), "return_token_ids": True}
         return payload
 
     def _create_chat_result(self, response: Any, generation_info: dict | None = None) -> ChatResult:
@@ -439,6 +443,10 @@ class VLLMChatModel(ChatOpenAI):
         meta = (run_manager.metadata if run_manager is not None else None) or {}
         if meta.get("mappa_greedy"):
             kwargs["temperature"] = 0.0
+        # Explicit in every request: vLLM would otherwise take the model's generation_config default, and
+        # the action must record the temperature its log-probs are under (the loss divides by it).
+        if kwargs.get("temperature") is None:
+            kwargs["temperature"] = 1.0 if self.temperature is None else float(self.temperature)
         if self.seed is None and "seed" not in kwargs:
             seed = call_seed(meta, self.agent, messages)  # (seed, agent, node, step, turn count): reproducible
             if seed is not None:
@@ -462,6 +470,7 @@ class VLLMChatModel(ChatOpenAI):
             raw = info.pop("_mappa_raw", {})
             info[MAPPA_KEY] = token_record(self.backend, self.agent, raw, info.get("logprobs"), gen.message, messages,
                                            kwargs.get("tools"))
+            info[MAPPA_KEY]["temperature"] = float(kwargs["temperature"])  # 0.0: greedy
             gen.generation_info = info
         return result
 

@@ -65,7 +65,7 @@ def test_generation_records_tokens_and_behaviour_logprobs(policies) -> None:
     assert len(record["output_logprobs"]) == len(record["output_token_ids"])
     recomputed = policies.token_logprobs("coder", [record["prompt_token_ids"]], [record["output_token_ids"]])[0]
     assert torch.allclose(recomputed.detach(), torch.tensor(record["output_logprobs"]), atol=1e-4)
-    assert reply.content == policies.tokenizer.decode(record["output_token_ids"], skip_special_tokens=True).strip() \
+    assert reply.content.strip() == policies.tokenizer.decode(record["output_token_ids"], skip_special_tokens=True).strip() \
         or reply.tool_calls
 
 
@@ -150,3 +150,15 @@ def test_bad_manifest_folder_is_refused(policies, tmp_path) -> None:
     shutil.rmtree(tmp_path / "export" / "coder")
     with pytest.raises(FileNotFoundError, match="adapter folder for node 'coder' is missing"):
         load_manifest(tmp_path / "export")
+
+
+@pytest.mark.parametrize("names", [["model", "planner"], ["layers", "self_attn"], ["lora_A", "weight"]])
+def test_each_agent_owns_exactly_its_own_lora_tensors_whatever_its_name(tiny_path, names) -> None:
+    """Adapter names that are also components of every parameter path (issue 13 item 7: `model` owned 112 tensors,
+    its own and another agent's)."""
+    policies = AgentPolicies.from_pretrained(str(tiny_path), names)
+    first, second = (set(policies.adapter_parameters(a)) for a in names)
+    assert first and second and not first & second
+    assert len(first) == len(second)
+    every_lora = {n for n, _ in policies.model.named_parameters() if ".lora_" in n}
+    assert first | second == every_lora

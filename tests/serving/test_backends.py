@@ -351,3 +351,17 @@ def test_two_clients_of_one_server_never_fight_over_a_version_name(policies, ser
         reply = backend.chat_model("planner", greedy=True, max_new_tokens=8).invoke(PROMPT)
         assert reply.response_metadata["mappa"]["adapter"] == "planner-v1-r2"
         assert reply.content == _local(policies, "planner").content
+
+
+@pytest.mark.parametrize("temperature", [None, 0.7, 1.3])
+def test_every_request_sets_the_temperature_and_the_action_records_it(policies, server, backend, temperature) -> None:
+    backend.sync(policies, 0)
+    reply = backend.chat_model("calculator", temperature=temperature, max_new_tokens=10, seed=3).invoke(PROMPT)
+    sent = server.paths("/v1/chat/completions")[-1]["temperature"]
+    rec = reply.response_metadata["mappa"]
+    assert sent == rec["temperature"] == (1.0 if temperature is None else temperature)
+    recomputed = policies.token_logprobs("calculator", [rec["prompt_token_ids"]], [rec["output_token_ids"]],
+                                         temperature=rec["temperature"])[0]
+    assert torch.allclose(recomputed.detach(), torch.tensor(rec["output_logprobs"]), atol=1e-5)
+    greedy = backend.chat_model("calculator", greedy=True, max_new_tokens=4).invoke(PROMPT)
+    assert server.paths("/v1/chat/completions")[-1]["temperature"] == greedy.response_metadata["mappa"]["temperature"] == 0.0

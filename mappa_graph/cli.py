@@ -8,6 +8,8 @@ that runs it (returns the exit status), so a new subcommand is one function pair
     mappa override --db runs/traces.db --action ID --score 0.8 --by alice --reason "the code did run"
     mappa export agents.arithmetic:build_trainer --output-dir runs/arith --out export/arith [--checkpoint PATH]
     mappa serve --manifest export/arith [--port 8000] [--run] [-- EXTRA VLLM ARGS]
+    mappa serve --manifest export/arith --upstream http://vllm:8000 [--port 8001] [--api-key KEY]
+    mappa serve --manifest export/arith --endpoint [--port 8001]
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -245,6 +248,11 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-loras", type=int, help="adapters per batch (default: the manifest's count)")
     parser.add_argument("--max-lora-rank", type=int, help="default: the largest rank among the adapters")
     parser.add_argument("--run", action="store_true", help="start vLLM (needs it installed) instead of printing")
+    parser.add_argument("--upstream", metavar="URL", help="run the routing policy endpoint in front of this vLLM "
+                        "server (--enable-lora): each agent's requests go to its manifest adapter")
+    parser.add_argument("--endpoint", action="store_true", help="run the policy endpoint on the manifest's adapters "
+                        "in this process (no vLLM)")
+    parser.add_argument("--api-key", help="the endpoint requires this Bearer key (default: none)")
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: passed to vLLM as they are")
 
 
@@ -260,6 +268,8 @@ def _serve(args: argparse.Namespace) -> int:
         manifest = load_manifest(args.manifest)
     except (FileNotFoundError, ValueError) as exc:
         raise CommandError(str(exc)) from None
+    if args.upstream or args.endpoint:
+        return _serve_endpoint(args, manifest)
     local = manifest.base_model_path and Path(manifest.base_model_path).exists()
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     cmd = vllm_command(manifest.base_model_path if local else manifest.base_model,  # type: ignore[arg-type]
@@ -280,6 +290,35 @@ def _serve(args: argparse.Namespace) -> int:
     return subprocess.run(cmd, env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}).returncode
 
 
+def _serve_endpoint(args: argparse.Namespace, manifest: Any) -> int:
+    """The policy endpoint for a manifest: forwarding to `--upstream` vLLM under each agent's adapter name, or
+    sampling the adapters in this process (`--endpoint`). A client names its agent as `model`; an app whose
+    chat-model calls should be routed by node runs the endpoint in its own process (PolicyEndpoint.attach)."""
+    from .serving.endpoint import PolicyEndpoint
+
+    agents = {node: entry.agent for node, entry in manifest.nodes.items()}
+    try:
+        if args.upstream:
+            from .serving.vllm import VLLMBackend
+
+            backend = VLLMBackend.connect(args.upstream)
+            backend.use_manifest(manifest)
+            endpoint = PolicyEndpoint(upstream=backend, agents=agents, api_key=args.api_key, host=args.host,
+                                      port=args.port)
+        else:
+            from .serving.local import LocalBackend
+
+            endpoint = PolicyEndpoint(LocalBackend.from_manifest(manifest).policies, agents=agents,
+                                      api_key=args.api_key, host=args.host, port=args.port)
+    except (ImportError, RuntimeError, ValueError) as exc:
+        raise CommandError(str(exc)) from None
+    where = f"forwarding to {args.upstream}" if args.upstream else "in-process"
+    print(f"policy endpoint on http://{args.host}:{args.port}/v1 ({where}); agents: {', '.join(endpoint.agents)}",
+          file=sys.stderr)
+    endpoint.serve_forever()
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "train": Command("run MAPPA training from a recipe", _train_arguments, _train),
     "plot": Command("draw reward curves per agent from a run's metrics.jsonl", _plot_arguments, _plot),
@@ -289,7 +328,8 @@ COMMANDS: dict[str, Command] = {
     "override": Command("record a human correction of one action's score", _override_arguments, _override),
     "export": Command("write a run's trained adapters and manifest.json from its checkpoint",
                       _export_arguments, _export),
-    "serve": Command("print (or --run) the vLLM command that serves a manifest's adapters", _serve_arguments, _serve),
+    "serve": Command("print (or --run) the vLLM command that serves a manifest's adapters, or run the policy "
+                     "endpoint (--upstream URL / --endpoint)", _serve_arguments, _serve),
 }
 
 

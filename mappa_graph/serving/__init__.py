@@ -6,6 +6,9 @@ iteration)` (usable as `Trainer(on_update=backend.sync)`).
 - `LocalBackend`: transformers + peft in this process (AgentPolicies).
 - `VLLMBackend`: a vLLM OpenAI-compatible server with `--enable-lora`; adapters are loaded, swapped and
   unloaded at run time, and each agent's calls go to its adapter by model name.
+- `PolicyEndpoint`: an OpenAI-compatible server (extra `endpoint`) in front of either of those, routing each
+  request of an unchanged app (plain `ChatOpenAI` nodes) to its node's adapter; `remote_router` for an app
+  in another process.
 
 Names load on first use, so importing this package pulls in neither torch nor langchain-openai.
 """
@@ -25,6 +28,8 @@ _LAZY = {
     "VLLMBackend": "mappa_graph.serving.vllm",
     "VLLMChatModel": "mappa_graph.serving.vllm",
     "vllm_command": "mappa_graph.serving.vllm",
+    "PolicyEndpoint": "mappa_graph.serving.endpoint",
+    "remote_router": "mappa_graph.serving.routing",
 }
 
 __all__ = sorted(_LAZY)

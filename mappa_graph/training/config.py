@@ -51,7 +51,8 @@ class TrainConfig(BaseModel):
     loss_aggregation: Literal["token_mean", "sequence_mean"] = Field(
         "token_mean", description="token_mean: every token of the adapter's batch weighs the same (TRL/DAPO); "
         "sequence_mean: every action weighs the same, as in the MAPPA release")
-    kl_coef: float = Field(0.0, ge=0, description="KL to the base model (adapter off); 0 disables")
+    kl_coef: float = Field(0.01, ge=0, description="KL to the base model (adapter off), the reference's 0.01 "
+                           "(measured: benchmarks/sample_efficiency.py --kl-coefs 0,0.01); 0 disables")
     kl_mode: Literal["reward", "loss"] = Field("reward", description="subtract k1 KL from rewards, or add k3 KL to loss")
     max_grad_norm: float | None = Field(1.0, description="gradient clipping per adapter; None disables")
     micro_batch_size: int = Field(16, ge=1, description="samples per forward; gradients accumulate across")

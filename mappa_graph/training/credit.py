@@ -27,6 +27,7 @@ class Sample(BaseModel):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     behaviour_logprobs: list[float] | None = None
+    temperature: float = 1.0  # what the behaviour log-probs were sampled at; training divides logits by it
     reward: float
     advantage: float = 0.0
 
@@ -39,6 +40,7 @@ def sample_from_action(action: Action, score: float) -> Sample:
         prompt_token_ids=action.prompt_token_ids or [],
         output_token_ids=action.output_token_ids or [],
         behaviour_logprobs=action.output_logprobs,
+        temperature=action.temperature or 1.0,  # unrecorded (older traces) or greedy (0, no density): plain softmax
         reward=score,
     )
 

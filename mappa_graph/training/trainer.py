@@ -56,7 +56,11 @@ class Trainer:
         store: TraceStore | None = None,
         resume: bool = False,
         on_update: Callable[[AgentPolicies, int], None] | None = None,
+        endpoint: Any = None,
     ) -> None:
+        """`endpoint`: a running serving.endpoint.PolicyEndpoint that the graph's own ChatOpenAI nodes call
+        (`base_url` / OPENAI_BASE_URL): the unchanged app is trained through it, each node's requests routed
+        to its agent's adapter and its token ids recorded on the trace."""
         self.config = config or TrainConfig()
         if not tasks:
             raise ValueError("Trainer needs at least one task")
@@ -84,9 +88,13 @@ class Trainer:
         if self.config.rollout_backend == "local":
             if isinstance(graph, InstrumentedGraph):
                 graph.store = graph.store or self.store
+                if endpoint is not None:
+                    graph.graph = endpoint.attach(graph.graph)
                 self.graph = graph
             else:
                 compiled, self.on_version = split_team(build_graph(graph, policies))
+                if endpoint is not None:  # route each of the app's own model calls to its node's adapter
+                    compiled = endpoint.attach(compiled)
                 self.graph = instrument(compiled, store=self.store, run=self.config.run_name)
             self.eval_graph = instrument(self.graph.graph, store=self.store, run=self.eval_run,
                                          agents=self.graph.agents)
@@ -186,8 +194,9 @@ class Trainer:
             if self.ray is not None:
                 results = self.ray.rollout(jobs, progress=lambda: bar.update(1))
                 self.store.add_episodes(r.episode for r in results if r.episode is not None)
-            else:
-                with ThreadPoolExecutor(max_workers=self.config.rollout_concurrency) as pool:
+            else:  # concurrent episodes share each decoding step (continuous batching, one adapter per row)
+                with self.policies.batched(max_batch=max(self.config.rollout_concurrency, 1)), \
+                        ThreadPoolExecutor(max_workers=self.config.rollout_concurrency) as pool:
                     results = []
                     for result in pool.map(lambda job: run_job(graph, job), jobs):
                         results.append(result)
@@ -260,7 +269,8 @@ class Trainer:
         for start in range(0, len(samples), step):
             chunk = samples[start : start + step]
             ref = self.policies.token_logprobs(None, [s.prompt_token_ids for s in chunk],
-                                               [s.output_token_ids for s in chunk])
+                                               [s.output_token_ids for s in chunk],
+                                               temperature=[s.temperature for s in chunk])
             out += [float(k1_kl(behaviour_tensor(s.behaviour_logprobs, r), r).sum()) for s, r in zip(chunk, ref)]
         return out
 
@@ -300,7 +310,8 @@ class Trainer:
             for start in range(0, len(missing), step):
                 idx = missing[start : start + step]
                 got = self.policies.token_logprobs(adapter, [samples[i].prompt_token_ids for i in idx],
-                                                   [samples[i].output_token_ids for i in idx])
+                                                   [samples[i].output_token_ids for i in idx],
+                                                   temperature=[samples[i].temperature for i in idx])
                 snapshot.update({i: g.detach() for i, g in zip(idx, got)})
         return [snapshot[i] if i in snapshot else torch.tensor(s.behaviour_logprobs) for i, s in enumerate(samples)]
 
@@ -317,8 +328,11 @@ class Trainer:
         loss_sum, kl_sum, log_ratio_sum, clipped = 0.0, 0.0, 0.0, 0
         for start in range(0, len(samples), cfg.micro_batch_size):
             chunk = samples[start : start + cfg.micro_batch_size]
+            # logits / T at each action's own sampling temperature: the distribution its behaviour log-probs are
+            # under, so the first epoch's ratio is 1 whatever the temperature
             new = self.policies.token_logprobs(adapter, [s.prompt_token_ids for s in chunk],
-                                               [s.output_token_ids for s in chunk])
+                                               [s.output_token_ids for s in chunk],
+                                               temperature=[s.temperature for s in chunk])
             old = [o.to(device=n.device, dtype=n.dtype) for o, n in zip(old_logprobs[start : start + len(chunk)], new)]
             logp, adv = flatten_tokens(new, [s.advantage for s in chunk])  # (N,)
             old_flat, _ = flatten_tokens(old, [s.advantage for s in chunk])
@@ -332,7 +346,8 @@ class Trainer:
             if cfg.kl_coef and cfg.kl_mode == "loss":
                 with torch.no_grad():
                     ref = self.policies.token_logprobs(None, [s.prompt_token_ids for s in chunk],
-                                                       [s.output_token_ids for s in chunk])
+                                                       [s.output_token_ids for s in chunk],
+                                                       temperature=[s.temperature for s in chunk])
                 kl = k3_kl(logp, torch.cat(ref).to(logp.device))  # (N,) k3: its gradient pulls toward the base
                 loss = loss + cfg.kl_coef * kl.sum() / total_tokens
                 kl_sum += float(kl.detach().sum())

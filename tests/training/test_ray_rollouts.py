@@ -104,8 +104,10 @@ def test_ray_iteration_gives_the_in_process_episodes_rewards_and_weights(tmp_pat
         assert info["checksum"] == pytest.approx(driver_sum, rel=1e-6)
         assert info["checksum"] != pytest.approx(initial_sum, rel=1e-6)
     # held-out evaluation goes through the same workers, under its own run name
+    stored_evals = len(remote.store.episodes(run="eq/eval"))  # the end-of-run evaluation of the step above
+    assert records["ray"]["eval_success"] == records["local"]["eval_success"]
     assert remote.evaluate(tasks[:3], greedy=True) == local.evaluate(tasks[:3], greedy=True)
-    assert len(remote.store.episodes(run="eq/eval")) == 3
+    assert len(remote.store.episodes(run="eq/eval")) == stored_evals + 3
     workers = remote.ray.workers
     remote.close()
     assert remote.ray is None

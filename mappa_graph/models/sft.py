@@ -67,7 +67,8 @@ def warm_start(
     model.train()
     pad = tokenizer.pad_token_id or 0
     losses = []
-    for step in tqdm(range(steps), desc="warm start", disable=not progress, leave=False):
+    # disable=None: a live bar on a terminal only; a log (CI, `> file`) gets no carriage-return redraws
+    for step in tqdm(range(steps), desc="warm start", disable=None if progress else True, leave=False):
         batch = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
         width = max(len(p) + len(r) for p, r in batch)
         ids = torch.full((batch_size, width), pad, dtype=torch.long)

@@ -228,3 +228,24 @@ def _cut_at_stop(
         if len(decode(ids[:n], skip_special_tokens=True)) >= cut:
             return ids[:n], logprobs[:n], text[:cut]
     return ids, logprobs, text[:cut]
+
+
+def assistant_reply(
+    ids: list[int], logprobs: list[float], tops: list[Any], finished: bool, stop: Sequence[str] | None,
+    decode: Callable[..., str],
+) -> tuple[list[int], list[float], list[Any], bool, dict[str, Any]]:
+    """What an OpenAI-compatible server answers for sampled tokens: cut at the first stop string (tokens, log-probs
+    and text kept aligned; a cut counts as finished) and the text parsed into an assistant message with its tool
+    calls. Returns (ids, logprobs, top logprobs, finished, message)."""
+    text = decode(ids, skip_special_tokens=True)
+    if stop:
+        cut_ids, _, cut_text = _cut_at_stop(ids, logprobs, text, list(stop), decode)
+        if cut_text != text:
+            ids, logprobs, tops, text, finished = cut_ids, logprobs[: len(cut_ids)], tops[: len(cut_ids)], cut_text, True
+    content, calls, _ = parse_tool_calls(text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [{"id": c["id"], "type": "function",
+                                  "function": {"name": c["name"], "arguments": json.dumps(c["args"])}}
+                                 for c in calls]
+    return ids, logprobs, tops, finished, message

@@ -329,7 +329,7 @@ class PolicyEndpoint:
 
     def _sample_sync(self, agent: str, messages: list[BaseMessage], payload: Mapping[str, Any],
                      settings: dict[str, Any], call: PendingCall | None) -> Completion:
-        from ..models.chat import _cut_at_stop, parse_tool_calls, to_hf_messages
+        from ..models.chat import assistant_reply, to_hf_messages
 
         policies = self.policies
         tools = payload.get("tools") or None
@@ -346,19 +346,10 @@ class PolicyEndpoint:
                               seed=seed, top_logprobs=settings["top_logprobs"])
         settings["recorded_temperature"] = 0.0 if greedy else settings["temperature"]
         decode = policies.tokenizer.decode
-        ids, logprobs, finished = list(gen.output_token_ids), list(gen.output_logprobs), gen.finished
-        tops = list(gen.top_logprobs or [[] for _ in ids])
-        text = decode(ids, skip_special_tokens=True)
-        if settings["stop"]:
-            cut_ids, _, cut_text = _cut_at_stop(ids, logprobs, text, settings["stop"], decode)
-            if cut_text != text:
-                ids, logprobs, tops, text, finished = cut_ids, logprobs[: len(cut_ids)], tops[: len(cut_ids)], cut_text, True
-        content, calls, _ = parse_tool_calls(text)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [{"id": c["id"], "type": "function",
-                                      "function": {"name": c["name"], "arguments": json.dumps(c["args"])}}
-                                     for c in calls]
+        ids, logprobs, tops, finished, message = assistant_reply(
+            list(gen.output_token_ids), list(gen.output_logprobs),
+            list(gen.top_logprobs or [[] for _ in gen.output_token_ids]), gen.finished, settings["stop"], decode)
+        content, calls = message["content"], message.get("tool_calls")
         pieces = [content]
         if payload.get("stream") and not calls:
             # one streamed piece per token: the text each token adds (byte-level BPE may split a character)

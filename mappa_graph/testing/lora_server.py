@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..messages import content_text
-from ..models.chat import _cut_at_stop, parse_tool_calls
+from ..models.chat import assistant_reply
 from .openai_server import OpenAIServer, Request, Response, error_response
 
 if TYPE_CHECKING:
@@ -181,20 +181,10 @@ class LoRAServer:
         top_k = int(payload.get("top_logprobs") or 0)
         ids, logprobs, tops, finished = self._generate(slot, prompt_ids, int(max_tokens), temperature,
                                                        payload.get("seed"), top_k)
-        decode = policies.tokenizer.decode
-        text = decode(ids, skip_special_tokens=True)
         stop = payload.get("stop")
-        if stop:
-            stop = [stop] if isinstance(stop, str) else list(stop)
-            cut_ids, _, cut_text = _cut_at_stop(ids, logprobs, text, stop, decode)
-            if cut_text != text:
-                ids, logprobs, tops, text, finished = cut_ids, logprobs[: len(cut_ids)], tops[: len(cut_ids)], cut_text, True
-        content, calls, _ = parse_tool_calls(text)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [{"id": c["id"], "type": "function",
-                                      "function": {"name": c["name"], "arguments": json.dumps(c["args"])}}
-                                     for c in calls]
+        ids, logprobs, tops, finished, message = assistant_reply(
+            ids, logprobs, tops, finished, [stop] if isinstance(stop, str) else stop, policies.tokenizer.decode)
+        calls = message.get("tool_calls")
         as_ids = bool(payload.get("return_tokens_as_token_ids"))
         choice: dict[str, Any] = {
             "index": 0,

@@ -18,7 +18,9 @@ def _trainer(out, judge=None, **kw):
     torch.manual_seed(0)
     config = TrainConfig(run_name="t", output_dir=str(out), iterations=3, tasks_per_iteration=6, rollouts_per_task=2,
                          rollout_concurrency=2, lr=5e-2, ppo_epochs=1, max_new_tokens=6,
-                         frozen_agents=["planner"], reward=RewardConfig(filter_zero_signal=False), **kw)
+                         frozen_agents=["planner"], reward=RewardConfig(filter_zero_signal=False),
+                         kl_coef=0.0,  # no KL in the reward: all-equal judge scores then carry no signal at all
+                         **kw)
     trainer = arithmetic.build_trainer(config, arithmetic.warm_policies())
     trainer.judge = judge or VerifierJudge(lambda action, episode, ref: 0.0, name="stingy")  # all actions look bad
     return trainer

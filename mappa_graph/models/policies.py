@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -308,7 +308,7 @@ class AgentPolicies:
             raise ValueError(f"max_tokens_per_row must be >= 1 or None (the longest sample), got {max_tokens_per_row}")
         temperatures = _per_sample_temperatures(temperature, len(prompts))
         ctx = self.base_only() if agent is None else self.active(agent)
-        grad = torch.no_grad() if agent is None else torch.enable_grad()
+        grad = torch.no_grad() if agent is None else nullcontext()  # a caller's no_grad (a snapshot) is kept
         if pack and self._can_pack():
             with ctx, grad:
                 return self._packed_logprobs(prompts, outputs, max_tokens_per_row, temperatures)

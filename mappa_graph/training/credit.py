@@ -40,7 +40,7 @@ def sample_from_action(action: Action, score: float) -> Sample:
         prompt_token_ids=action.prompt_token_ids or [],
         output_token_ids=action.output_token_ids or [],
         behaviour_logprobs=action.output_logprobs,
-        temperature=action.temperature or 1.0,  # unrecorded (older traces) or greedy (0, no density): plain softmax
+        temperature=action.temperature or 1.0,  # unrecorded (older traces): the plain softmax
         reward=score,
     )
 
@@ -73,6 +73,7 @@ class CreditStats(BaseModel):
     no_outcome: int = 0
     filtered_zero_signal: int = 0
     filtered_low_quality_episodes: int = 0
+    greedy: int = 0  # actions decoded greedily (temperature 0): no sampling distribution to train on
 
 
 def episode_rewards(
@@ -87,6 +88,10 @@ def episode_rewards(
     samples: list[Sample] = []
     for episode in episodes:
         trainable = [a for a in episode.actions if a.trainable]
+        greedy = [a for a in trainable if a.temperature == 0]
+        if greedy:  # an arg-max action was not sampled: its log-probs are no behaviour policy to clip against
+            stats.greedy += len(greedy)
+            trainable = [a for a in trainable if a.temperature != 0]
         if config.mode == "outcome" or config.outcome_weight:
             if episode.outcome is None:
                 stats.no_outcome += len(trainable)

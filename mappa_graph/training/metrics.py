@@ -20,6 +20,7 @@ class MetricsLog:
     def __init__(self, path: str | Path, *, tensorboard_dir: str | Path | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _cut_torn_tail(self.path)  # else the next line would be appended onto it and the file read as corrupt
         self._tb = None
         if tensorboard_dir is not None:
             try:
@@ -134,3 +135,18 @@ def plot_rewards(metrics_path: str | Path, out_path: str | Path, *, title: str |
     fig.savefig(out_path, dpi=120)
     plt.close(fig)
     return out_path
+
+
+def _cut_torn_tail(path: Path) -> None:
+    """Drop a last line that never got its newline (a write cut off by a kill or a full disk), with a warning."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return
+    keep = data[: data.rfind(b"\n") + 1]
+    log.warning("%s: dropping a torn last line (%d bytes), left by a run killed while writing it", path,
+                len(data) - len(keep))
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(keep)
+    os.replace(tmp, path)

@@ -79,6 +79,8 @@ class Trainer:
         self.out = Path(self.config.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         # every rank runs the same seeded rollouts; rank 0's go to the trace store, the others' stay in memory
+        # a store passed in is the caller's (e.g. `mappa train --from-traces DB`): resume never deletes from it
+        self.owns_store = store is None
         self.store = store or TraceStore(self.out / "traces.db" if distributed.is_main_process() else ":memory:")
         self.eval_run = f"{self.config.run_name}/eval"
         # on Ray the workers build the team (each beside its own model server); the driver builds no graph
@@ -113,6 +115,7 @@ class Trainer:
                                   tensorboard_dir=self.out / "tb" if self.config.tensorboard else None)
         self.iteration = 0
         self.reward_kl: dict[str, float] = {}  # per agent, the k1 KL taken off this iteration's rewards
+        self.final_iteration: int | None = None  # set by train(); step() alone ends at config.iterations
         self.weights_version = 0  # bumped by every change of the adapters; rollouts get each version once
         self.ray = None
         if self.config.rollout_backend == "ray":
@@ -125,6 +128,7 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------------------------
     def train(self, iterations: int | None = None) -> list[dict[str, Any]]:
         total = iterations or self.config.iterations
+        self.final_iteration = total  # the end-of-run checkpoint and evaluation follow this run's length
         records = []
         # disable=None: a live bar on a terminal; in a log (CI, `> file`) no carriage-return redraws, one line an
         # iteration instead
@@ -153,11 +157,12 @@ class Trainer:
         self.iteration = iteration
         record = self.record(iteration, episodes, rewards, samples, credit, update, time.time() - started)
         every = self.config.eval_every and iteration % self.config.eval_every == 0
-        if self.eval_tasks and (every or iteration == self.config.iterations):  # eval_every=0: at the end only
+        last = iteration == (self.final_iteration or self.config.iterations)
+        if self.eval_tasks and (every or last):  # eval_every=0: at the end only
             record["eval_success"] = self.evaluate()
         if distributed.is_main_process():  # under torch distributed, rank 0 alone writes metrics and checkpoints
             self.metrics.write(record)
-            if iteration % self.config.checkpoint_every == 0 or iteration == self.config.iterations:
+            if iteration % self.config.checkpoint_every == 0 or last:
                 self.checkpoint()
         return record
 
@@ -271,8 +276,26 @@ class Trainer:
             ref = self.policies.token_logprobs(None, [s.prompt_token_ids for s in chunk],
                                                [s.output_token_ids for s in chunk],
                                                temperature=[s.temperature for s in chunk])
-            out += [float(k1_kl(behaviour_tensor(s.behaviour_logprobs, r), r).sum()) for s, r in zip(chunk, ref)]
+            current = self._unrecorded_logprobs(chunk)
+            out += [float(k1_kl(current[i] if i in current else behaviour_tensor(s.behaviour_logprobs, r), r).sum())
+                    for i, (s, r) in enumerate(zip(chunk, ref))]
         return out
+
+    def _unrecorded_logprobs(self, samples: Sequence[Sample]) -> dict[int, torch.Tensor]:
+        """For samples a backend recorded no log-probs for: their adapter's log-probs now (on-policy, the
+        behaviour policy), so their reward KL is not silently 0 beside the others'."""
+        found: dict[int, torch.Tensor] = {}
+        by_adapter: dict[str, list[int]] = defaultdict(list)
+        for i, s in enumerate(samples):
+            if s.behaviour_logprobs is None:
+                by_adapter[self.policies.adapter_of[s.agent]].append(i)
+        with torch.no_grad():
+            for adapter, idx in by_adapter.items():
+                got = self.policies.token_logprobs(adapter, [samples[i].prompt_token_ids for i in idx],
+                                                   [samples[i].output_token_ids for i in idx],
+                                                   temperature=[samples[i].temperature for i in idx])
+                found.update({i: g.detach() for i, g in zip(idx, got)})
+        return found
 
     def update(self, samples: Sequence[Sample]) -> dict[str, dict[str, float]]:
         """ppo_epochs passes; per adapter, one optimiser step per pass over its samples in micro-batches."""
@@ -387,6 +410,9 @@ class Trainer:
         override (`mappa override`) wins over the judge, actions sampled more than `max_staleness` iterations
         ago are dropped (None keeps all), and the clipped update runs against each action's recorded behaviour
         log-probs. `run` defaults to this trainer's run; `judge` picks one judge's verdicts when several scored it."""
+        if distributed.is_distributed():
+            raise NotImplementedError("train_from_traces under torchrun is not supported: the stored batch lives on "
+                                      "rank 0's store only; run it in one process")
         iteration = self.iteration + 1
         started = time.time()
         judging = self.judge if self.config.reward.mode != "outcome" else None
@@ -484,8 +510,10 @@ class Trainer:
             self.weights_version += 1
         if distributed.is_main_process():
             self.metrics.truncate_after(self.iteration)
-        dropped = sum(self.store.delete_episodes_after(run, self.iteration)
-                      for run in (self.config.run_name, self.eval_run))  # eval rollouts of a redone iteration too
+        dropped = 0
+        if self.owns_store:  # the traces of the iteration that is redone; eval rollouts of it too
+            dropped = sum(self.store.delete_episodes_after(run, self.iteration)
+                          for run in (self.config.run_name, self.eval_run))
         log.info("resuming at iteration %d from %s (dropped %d episodes of unfinished iterations)",
                  self.iteration, path, dropped)
         return self.iteration

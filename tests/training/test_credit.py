@@ -105,3 +105,16 @@ def test_reinforce_pp_can_whiten_each_agents_advantages_apart() -> None:
     assert [round(s.advantage, 4) for s in samples] == [-1.0, 1.0, -1.0, 1.0]
     assign_advantages(samples, {"e": "t"}, RewardConfig())  # the batch together: agent b's large rewards dominate
     assert samples[0].advantage < 0 and samples[1].advantage < 0 and samples[3].advantage > 0
+
+
+def test_greedy_actions_are_counted_and_never_trained() -> None:
+    """A temperature-0 action was not sampled: it has no behaviour distribution to clip against."""
+    sampled = Action(node="a", agent="a", prompt_token_ids=[1], output_token_ids=[2], output_logprobs=[-0.5],
+                     temperature=0.7)
+    greedy = Action(node="a", agent="a", prompt_token_ids=[1], output_token_ids=[3], output_logprobs=[0.0],
+                    temperature=0.0)
+    episode = Episode(actions=[sampled, greedy])
+    rewards = [Reward(action_id=a.id, episode_id=episode.id, agent="a", judge="j", score=0.5) for a in (sampled, greedy)]
+    samples, stats = episode_rewards([episode], rewards, RewardConfig())
+    assert [s.action_id for s in samples] == [sampled.id] and samples[0].temperature == 0.7
+    assert stats.greedy == 1

@@ -52,3 +52,12 @@ def test_truncation_replaces_the_file_atomically(tmp_path, monkeypatch) -> None:
     with pytest.raises(KeyboardInterrupt):
         log.truncate_after(1)
     assert [json.loads(x)["iteration"] for x in log.path.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_opening_a_log_with_a_torn_tail_cuts_it_so_new_lines_stay_readable(tmp_path, caplog) -> None:
+    _log_with_torn_tail(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        log = MetricsLog(tmp_path / "metrics.jsonl")  # a new run, without --resume
+    assert "torn last line" in caplog.text
+    log.write({"iteration": 4, "loss": 0.3})
+    assert [r["iteration"] for r in read_metrics(log.path)] == [1, 2, 3, 4]

@@ -14,14 +14,14 @@ from mappa_graph.training.config import TrainConfig
 from mappa_graph.training.credit import RewardConfig
 
 
-def _trainer(out, judge=None, **kw):
+def _trainer(out, judge=None, *, store=None, resume=False, **kw):
     torch.manual_seed(0)
     config = TrainConfig(run_name="t", output_dir=str(out), iterations=3, tasks_per_iteration=6, rollouts_per_task=2,
                          rollout_concurrency=2, lr=5e-2, ppo_epochs=1, max_new_tokens=6,
                          frozen_agents=["planner"], reward=RewardConfig(filter_zero_signal=False),
                          kl_coef=0.0,  # no KL in the reward: all-equal judge scores then carry no signal at all
                          **kw)
-    trainer = arithmetic.build_trainer(config, arithmetic.warm_policies())
+    trainer = arithmetic.build_trainer(config, arithmetic.warm_policies(), store=store, resume=resume)
     trainer.judge = judge or VerifierJudge(lambda action, episode, ref: 0.0, name="stingy")  # all actions look bad
     return trainer
 
@@ -76,3 +76,16 @@ def test_cli_trains_from_a_trace_store(tmp_path, monkeypatch) -> None:
     assert code == 0
     lines = [json.loads(x) for x in (tmp_path / "offline" / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["offline"]["episodes"] == 12
+
+
+def test_resuming_an_offline_run_never_deletes_from_the_users_trace_store(tmp_path) -> None:
+    """The stored traces belong to the caller: a resumed `--from-traces` run must not drop 'later iterations'."""
+    first = _trainer(tmp_path / "first")
+    for iteration in (1, 2, 3):
+        first.rollout(first.sample_tasks(iteration), iteration)
+    store = TraceStore(tmp_path / "first" / "traces.db")
+    stored = len(store.episodes(run="t"))
+    offline = _trainer(tmp_path / "offline", store=store)
+    offline.train_from_traces(max_staleness=None)  # checkpoint of iteration 1 under tmp_path/offline
+    resumed = _trainer(tmp_path / "offline", store=store, resume=True)
+    assert resumed.iteration == 1 and len(store.episodes(run="t")) == stored == 36

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import signal
 import subprocess
@@ -302,7 +303,7 @@ def test_resume_drops_the_eval_episodes_of_the_iteration_it_redoes(tmp_path) -> 
     first = arithmetic.build_trainer(config, _policies())
     first.eval_tasks = first.eval_tasks[:3]
     first.evaluate()  # before training: iteration 0, kept
-    first.train(1)  # iteration 1 evaluated, not checkpointed
+    first.step()  # iteration 1 evaluated, not checkpointed (a kill before iteration 2)
     store = TraceStore(tmp_path / "traces.db")
     assert {e.metadata["iteration"] for e in store.episodes(run="t/eval")} == {0, 1}
     del first
@@ -332,3 +333,27 @@ def test_first_epoch_ratio_is_one_at_any_temperature_whatever_the_generation_con
         assert worst < 1e-5, (adapter, worst)
     stats = trainer.update(samples)
     assert all(s["clip_fraction"] == 0.0 for s in stats.values())
+
+
+def test_a_shorter_train_call_still_ends_with_its_checkpoint_and_evaluation(tmp_path) -> None:
+    """train(iterations=N) below config.iterations ends its own run: the final checkpoint and evaluation follow N."""
+    trainer = arithmetic.build_trainer(_config(tmp_path, iterations=5, checkpoint_every=10), _policies())
+    trainer.eval_tasks = trainer.eval_tasks[:3]
+    records = trainer.train(1)
+    assert "eval_success" in records[-1] and (tmp_path / "checkpoints").is_dir()
+
+
+def test_reward_kl_of_a_sample_without_behaviour_log_probs_is_measured_not_zero(tmp_path) -> None:
+    trainer = arithmetic.build_trainer(_config(tmp_path, kl_coef=0.01), _policies())
+    episodes, rewards = _one_iteration(trainer)
+    samples, _ = trainer.credit(episodes, rewards, 1)
+    with torch.no_grad():  # move the adapters away from the base, so the KL to it is not 0
+        for adapter in trainer.policies.adapters:
+            for p in trainer.policies.adapter_parameters(adapter).values():
+                p.add_(0.05 * torch.randn_like(p))
+    recorded = trainer._sample_kl(samples)
+    for s in samples:
+        s.behaviour_logprobs = None
+    unrecorded = trainer._sample_kl(samples)
+    assert any(abs(k) > 1e-4 for k in unrecorded)  # was exactly 0 for every such sample
+    assert all(math.isfinite(k) for k in recorded + unrecorded)

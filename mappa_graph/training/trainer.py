@@ -282,19 +282,23 @@ class Trainer:
         return out
 
     def _unrecorded_logprobs(self, samples: Sequence[Sample]) -> dict[int, torch.Tensor]:
-        """For samples a backend recorded no log-probs for: their adapter's log-probs now (on-policy, the
-        behaviour policy), so their reward KL is not silently 0 beside the others'."""
+        """By position, for the samples a backend recorded no log-probs for: their adapter's log-probs now, in
+        micro-batches and without grad. On-policy that is the behaviour policy: the reward KL's and PPO's "old"
+        side for them."""
         found: dict[int, torch.Tensor] = {}
         by_adapter: dict[str, list[int]] = defaultdict(list)
         for i, s in enumerate(samples):
             if s.behaviour_logprobs is None:
                 by_adapter[self.policies.adapter_of[s.agent]].append(i)
+        step = self.config.micro_batch_size
         with torch.no_grad():
-            for adapter, idx in by_adapter.items():
-                got = self.policies.token_logprobs(adapter, [samples[i].prompt_token_ids for i in idx],
-                                                   [samples[i].output_token_ids for i in idx],
-                                                   temperature=[samples[i].temperature for i in idx])
-                found.update({i: g.detach() for i, g in zip(idx, got)})
+            for adapter, missing in by_adapter.items():
+                for start in range(0, len(missing), step):
+                    idx = missing[start : start + step]
+                    got = self.policies.token_logprobs(adapter, [samples[i].prompt_token_ids for i in idx],
+                                                       [samples[i].output_token_ids for i in idx],
+                                                       temperature=[samples[i].temperature for i in idx])
+                    found.update({i: g.detach() for i, g in zip(idx, got)})
         return found
 
     def update(self, samples: Sequence[Sample]) -> dict[str, dict[str, float]]:
@@ -313,7 +317,7 @@ class Trainer:
         if distributed.is_distributed():
             by_adapter = {adapter: distributed.shard(group, distributed.rank(), distributed.world_size())
                           for adapter, group in by_adapter.items()}
-        old = {adapter: self._old_logprobs(adapter, group) for adapter, group in by_adapter.items()}
+        old = {adapter: self._old_logprobs(group) for adapter, group in by_adapter.items()}
         epochs: dict[str, list[dict[str, float]]] = defaultdict(list)
         for _ in range(cfg.ppo_epochs):
             for adapter, group in by_adapter.items():
@@ -324,18 +328,9 @@ class Trainer:
             self.on_update(self.policies, self.iteration + 1)
         return {adapter: _merge_epochs(stats) for adapter, stats in epochs.items()}
 
-    def _old_logprobs(self, adapter: str, samples: Sequence[Sample]) -> list[torch.Tensor]:
-        """Per sample (T_i,): the behaviour log-probs recorded at rollout, else this adapter's own before any step."""
-        missing = [i for i, s in enumerate(samples) if s.behaviour_logprobs is None]
-        snapshot: dict[int, torch.Tensor] = {}
-        step = self.config.micro_batch_size
-        with torch.no_grad():
-            for start in range(0, len(missing), step):
-                idx = missing[start : start + step]
-                got = self.policies.token_logprobs(adapter, [samples[i].prompt_token_ids for i in idx],
-                                                   [samples[i].output_token_ids for i in idx],
-                                                   temperature=[samples[i].temperature for i in idx])
-                snapshot.update({i: g.detach() for i, g in zip(idx, got)})
+    def _old_logprobs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        """Per sample (T_i,): the behaviour log-probs recorded at rollout, else its adapter's own before any step."""
+        snapshot = self._unrecorded_logprobs(samples)
         return [snapshot[i] if i in snapshot else torch.tensor(s.behaviour_logprobs) for i, s in enumerate(samples)]
 
     def _update_adapter(self, adapter: str, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tensor],

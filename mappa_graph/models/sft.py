@@ -70,16 +70,7 @@ def warm_start(
     # disable=None: a live bar on a terminal only; a log (CI, `> file`) gets no carriage-return redraws
     for step in tqdm(range(steps), desc="warm start", disable=None if progress else True, leave=False):
         batch = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
-        width = max(len(p) + len(r) for p, r in batch)
-        ids = torch.full((batch_size, width), pad, dtype=torch.long)
-        labels = torch.full((batch_size, width), -100, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, (p, r) in enumerate(batch):
-            seq = p + r
-            ids[i, : len(seq)] = torch.tensor(seq)
-            labels[i, len(p) : len(seq)] = torch.tensor(r)
-            mask[i, : len(seq)] = 1
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss = _reply_loss(model, batch, pad)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -98,3 +89,25 @@ def warm_start(
         shutil.rmtree(target)
     tmp.rename(target)
     return target
+
+
+def _reply_loss(model, batch: list[tuple[list[int], list[int]]], pad: int):
+    """Mean cross-entropy over the reply tokens only. Rows are left-padded so every reply ends at the last
+    position, and the LM head runs over the last `tail` positions only (`logits_to_keep`): prompts are most of
+    each sequence, and a small model's step is mostly the vocabulary projection over them."""
+    import torch
+
+    width = max(len(p) + len(r) for p, r in batch)
+    tail = max(len(r) for _, r in batch) + 1  # +1: the last prompt position predicts the first reply token
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full((len(batch), tail - 1), -100, dtype=torch.long)
+    for i, (p, r) in enumerate(batch):
+        seq = p + r
+        ids[i, width - len(seq) :] = torch.tensor(seq)
+        mask[i, width - len(seq) :] = 1
+        labels[i, tail - 1 - len(r) :] = torch.tensor(r)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: positions count from each row's first token
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=tail).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                             labels.reshape(-1), ignore_index=-100)

@@ -1,0 +1,31 @@
+"""The warm start's loss: left-padded rows with the LM head over the reply tail only must give the same loss
+as the plain right-padded, full-logits computation (it is only cheaper)."""
+
+import torch
+
+from mappa_graph.models.loading import load_base_model
+from mappa_graph.models.sft import _reply_loss
+
+
+def _full_loss(model, batch, pad):
+    width = max(len(p) + len(r) for p, r in batch)
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(batch):
+        seq = p + r
+        ids[i, : len(seq)] = torch.tensor(seq)
+        labels[i, len(p) : len(seq)] = torch.tensor(r)
+        mask[i, : len(seq)] = 1
+    return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+def test_reply_loss_matches_full_logits_loss_on_rows_of_different_lengths():
+    model, tokenizer, _ = load_base_model("tiny")
+    model.eval()
+    torch.manual_seed(0)
+    batch = [([5, 9, 17, 33, 2, 8, 40], [11, 12, 13]), ([7, 3], [21, 22, 23, 24, 25]), ([4, 4, 4, 4], [30])]
+    pad = tokenizer.pad_token_id
+    with torch.no_grad():
+        ours, reference = _reply_loss(model, batch, pad), _full_loss(model, batch, pad)
+    assert torch.allclose(ours, reference, atol=1e-5), (float(ours), float(reference))

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from uuid import UUID
 
 from langchain_core.messages import ToolMessage
 
@@ -23,8 +22,8 @@ from ..messages import MAPPA_KEY, content_text, message_to_dict, to_jsonable
 from ..traces import Action, Episode, ToolCall, ToolResult
 from .paths import AgentResolver, is_internal, node_path
 
-# (kind, run_id, parent_run_id, metadata, payload, time, extra)
-Event = tuple[str, UUID, "UUID | None", "Mapping[str, Any] | None", Any, float, Any]
+# (kind, run_id, parent_run_id, metadata, payload, time, extra); run ids as `UUID.int` (cheap to hash)
+Event = tuple[str, int, "int | None", "Mapping[str, Any] | None", Any, float, Any]
 
 _LAST = ((9, ""),)  # sorts after every task path: a model call made after the node's subgraph tasks of a step
 
@@ -39,6 +38,9 @@ class _NodeRun:
     tool_results: list[ToolResult] = field(default_factory=list)
     last_child_step: int = -1
     seq: int = 0
+    # The node's input as LangGraph passed it: converted to JSON only if the node's own action is kept (one
+    # with model calls or inner nodes is folded into them), so the whole state is not copied per node.
+    raw_input: Any = None
 
 
 class EpisodeBuilder:
@@ -59,12 +61,12 @@ class EpisodeBuilder:
         self._interrupt_type, self._handoff_type, self._command_type, self._send_type = (
             GraphInterrupt, ParentCommand, Command, Send)
         self.run, self.agents, self.defaults, self.train_failed = run, agents, defaults, train_failed
-        self.ns_of_run: dict[UUID, str | None] = {}
+        self.ns_of_run: dict[int, str | None] = {}
         self.node_by_ns: dict[str, _NodeRun] = {}  # the latest attempt of each task
-        self.node_by_run: dict[UUID, _NodeRun] = {}
+        self.node_by_run: dict[int, _NodeRun] = {}
         self.attempts: dict[str, int] = {}
-        self.llm_by_run: dict[UUID, tuple[Action, tuple[Any, ...]]] = {}
-        self.tool_by_run: dict[UUID, tuple[str, str | None, float, str | None]] = {}
+        self.llm_by_run: dict[int, tuple[Action, tuple[Any, ...]]] = {}
+        self.tool_by_run: dict[int, tuple[str, str | None, float, str | None]] = {}
         self.call_owner: dict[str, Action] = {}
         self.order: list[tuple[tuple[Any, ...], Action]] = []
         self.node_of_action: dict[str, _NodeRun] = {}
@@ -72,7 +74,7 @@ class EpisodeBuilder:
         self.root_seq = 0
         self.root_last_step = -1
         self.episode: Episode | None = None
-        self.root: UUID | None = None
+        self.root: int | None = None
         self.root_ns: str | None = None
 
     def build(self, events: Sequence[Event]) -> Episode:
@@ -82,7 +84,7 @@ class EpisodeBuilder:
         return self._finish()
 
     # ---- chains: the root run and node tasks ----------------------------------------------------------------
-    def _chain_start(self, run_id: UUID, parent: UUID | None, meta: Mapping[str, Any], inputs: Any, at: float,
+    def _chain_start(self, run_id: int, parent: int | None, meta: Mapping[str, Any], inputs: Any, at: float,
                      extra: Any) -> None:
         if self.episode is None:
             self._root_start(run_id, meta, inputs, at, extra)
@@ -112,10 +114,9 @@ class EpisodeBuilder:
             step=step,
             checkpoint_ns=ns,
             parent_id=outer.action.id if outer else None,
-            node_input=to_jsonable(inputs),
             started_at=at,
         )
-        node_run = _NodeRun(action, key, outer)
+        node_run = _NodeRun(action, key, outer, raw_input=inputs)
         if outer is not None:
             outer.children.append(node_run)
             outer.last_child_step = max(outer.last_child_step, _step(step))
@@ -124,7 +125,7 @@ class EpisodeBuilder:
         self.node_by_ns[ns] = self.node_by_run[run_id] = self.node_of_action[action.id] = node_run
         self.order.append((key, action))
 
-    def _root_start(self, run_id: UUID, meta: Mapping[str, Any], inputs: Any, at: float, extra: Any) -> None:
+    def _root_start(self, run_id: int, meta: Mapping[str, Any], inputs: Any, at: float, extra: Any) -> None:
         fields = dict(self.defaults)
         for key in ("task_id", "reference"):
             if f"mappa_{key}" in meta:
@@ -145,7 +146,7 @@ class EpisodeBuilder:
         self.root_ns = meta.get("langgraph_checkpoint_ns")
         self.ns_of_run[run_id] = self.root_ns
 
-    def _chain_end(self, run_id: UUID, parent: Any, meta: Any, outputs: Any, at: float, extra: Any) -> None:
+    def _chain_end(self, run_id: int, parent: Any, meta: Any, outputs: Any, at: float, extra: Any) -> None:
         node_run = self.node_by_run.get(run_id)
         if node_run is not None:
             action = node_run.action
@@ -157,7 +158,7 @@ class EpisodeBuilder:
             self.episode.final_state = to_jsonable(outputs)
             self._root_end(at, extra)
 
-    def _chain_error(self, run_id: UUID, parent: Any, meta: Any, error: BaseException, at: float, extra: Any) -> None:
+    def _chain_error(self, run_id: int, parent: Any, meta: Any, error: BaseException, at: float, extra: Any) -> None:
         node_run = self.node_by_run.get(run_id)
         if node_run is not None:
             action = node_run.action
@@ -228,7 +229,7 @@ class EpisodeBuilder:
         return records
 
     # ---- model calls ----------------------------------------------------------------------------------------
-    def _llm_start(self, run_id: UUID, parent: Any, meta: Mapping[str, Any], messages: Any, at: float,
+    def _llm_start(self, run_id: int, parent: Any, meta: Mapping[str, Any], messages: Any, at: float,
                    params: Any) -> None:
         ns = meta.get("langgraph_checkpoint_ns")
         self.ns_of_run[run_id] = ns
@@ -264,7 +265,7 @@ class EpisodeBuilder:
         if node_run is not None:
             node_run.llm_actions.append(action)
 
-    def _llm_end(self, run_id: UUID, parent: Any, meta: Any, response: Any, at: float, _: Any) -> None:
+    def _llm_end(self, run_id: int, parent: Any, meta: Any, response: Any, at: float, _: Any) -> None:
         action = self.llm_by_run.get(run_id, (None, None))[0]
         if action is None:
             return
@@ -283,27 +284,27 @@ class EpisodeBuilder:
                 self.call_owner[call["id"]] = action
         copy_token_record(action, getattr(message, "response_metadata", None) or {})
 
-    def _llm_error(self, run_id: UUID, parent: Any, meta: Any, error: BaseException, at: float, _: Any) -> None:
+    def _llm_error(self, run_id: int, parent: Any, meta: Any, error: BaseException, at: float, _: Any) -> None:
         action = self.llm_by_run.get(run_id, (None, None))[0]
         if action is not None:
             action.status, action.error = "error", _describe(error)
             action.latency_s = at - action.started_at
 
     # ---- tool calls -----------------------------------------------------------------------------------------
-    def _tool_start(self, run_id: UUID, parent: Any, meta: Mapping[str, Any], _input: Any, at: float,
+    def _tool_start(self, run_id: int, parent: Any, meta: Mapping[str, Any], _input: Any, at: float,
                     extra: Any) -> None:
         name, call_id = extra
         # A chain the tool runs (an LLM chain, an agent as a tool) is inside this node task, not a new attempt.
         self.ns_of_run[run_id] = meta.get("langgraph_checkpoint_ns")
         self.tool_by_run[run_id] = (name, call_id, at, meta.get("langgraph_checkpoint_ns"))
 
-    def _tool_end(self, run_id: UUID, parent: Any, meta: Any, output: Any, at: float, _: Any) -> None:
+    def _tool_end(self, run_id: int, parent: Any, meta: Any, output: Any, at: float, _: Any) -> None:
         self._tool_done(run_id, output, None, at)
 
-    def _tool_error(self, run_id: UUID, parent: Any, meta: Any, error: BaseException, at: float, _: Any) -> None:
+    def _tool_error(self, run_id: int, parent: Any, meta: Any, error: BaseException, at: float, _: Any) -> None:
         self._tool_done(run_id, None, _describe(error), at)
 
-    def _tool_done(self, run_id: UUID, output: Any, error: str | None, at: float) -> None:
+    def _tool_done(self, run_id: int, output: Any, error: str | None, at: float) -> None:
         if run_id not in self.tool_by_run:
             return
         name, call_id, started, ns = self.tool_by_run.pop(run_id)
@@ -340,6 +341,7 @@ class EpisodeBuilder:
                         llm_action.node_output = action.node_output
                         llm_action.handoff = llm_action.handoff or action.handoff
                     continue
+                action.node_input = to_jsonable(node_run.raw_input)
             kept.append(action)
         ids = {a.id for a in kept}
         for i, action in enumerate(kept):

@@ -46,6 +46,11 @@ class TraceCollector(BaseCallbackHandler):
     # even under asyncio instead of being pushed to an executor.
     run_inline = True
     raise_error = False
+    # langchain-core asks a handler these before every event; plain attributes instead of the base class's
+    # properties save a Python call per event; the events an episode is not built from (retrievers, retries,
+    # custom events) are not sent at all. Tool events are gated by `ignore_agent`.
+    ignore_chain = ignore_llm = ignore_chat_model = ignore_agent = False
+    ignore_retriever = ignore_retry = ignore_custom_event = True
 
     def __init__(
         self,
@@ -62,18 +67,22 @@ class TraceCollector(BaseCallbackHandler):
         self.agents = agents if isinstance(agents, AgentResolver) else AgentResolver(agents)
         self.checkpointer = checkpointer
         self.train_failed = train_failed
-        self._threads: dict[UUID, dict[str, Any]] = {}
+        self._threads: dict[int, dict[str, Any]] = {}
         self.on_episode = on_episode
         self.episode_defaults = dict(episode_defaults or {})
         self.executor = executor
         self.episodes: list[Episode] = []
-        self._events: dict[UUID, list[Event]] = {}
-        self._root_of: dict[UUID, UUID] = {}
+        # Keyed by `UUID.int`: hashing an int is C, hashing a UUID is a Python call, and these lookups run on
+        # every callback. The events carry the ints too.
+        self._events: dict[int, list[Event]] = {}
+        self._root_of: dict[int, int] = {}
         self._pending: list[Future[Episode]] = []
         self._lock = threading.Lock()
 
     # ---- capture: as little as possible per callback ----------------------------------------------------
-    def _start(self, kind: str, run_id: UUID, parent: UUID | None, metadata: Any, payload: Any, extra: Any) -> None:
+    def _start(self, kind: str, run_uuid: UUID, parent_uuid: UUID | None, metadata: Any, payload: Any,
+               extra: Any) -> None:
+        run_id, parent = run_uuid.int, parent_uuid.int if parent_uuid is not None else None
         root = self._root_of.get(parent) if parent is not None else None
         if root is None:
             root = run_id
@@ -84,7 +93,8 @@ class TraceCollector(BaseCallbackHandler):
         self._root_of[run_id] = root
         self._events[root].append((kind, run_id, parent, metadata, payload, time.time(), extra))
 
-    def _end(self, kind: str, run_id: UUID, payload: Any, extra: Any = None) -> None:
+    def _end(self, kind: str, run_uuid: UUID, payload: Any, extra: Any = None) -> None:
+        run_id = run_uuid.int
         root = self._root_of.get(run_id)
         if root is None:
             return
@@ -100,7 +110,7 @@ class TraceCollector(BaseCallbackHandler):
                 self._root_of.pop(event[1], None)
             self._submit(events)
 
-    def _checkpoint_id(self, root: UUID) -> str | None:
+    def _checkpoint_id(self, root: int) -> str | None:
         """The thread's latest checkpoint: read once as a run starts and once as it ends (one lookup each, only
         for runs on a thread of a checkpointed graph). An async-only saver cannot answer from the event loop's
         thread; the episode then goes without checkpoint ids rather than slow or break the run."""

@@ -14,9 +14,12 @@ one.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import queue
 import threading
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
@@ -61,28 +64,78 @@ def _with_handler(config: RunnableConfig | None, handler: TraceCollector, extra_
     return merged  # type: ignore[return-value]
 
 
-class _TraceWorker(ThreadPoolExecutor):
+class _TraceWorker(Executor):
     """One background thread that builds and stores episodes in the order their runs ended, remembering
-    each job so `flush()` can wait for them and surface a failed write instead of losing it."""
+    each job so `flush()` can wait for them and surface a failed write instead of losing it.
+
+    A bare thread on a SimpleQueue rather than a ThreadPoolExecutor: handing a job over is then one C-level
+    `put` that shares no Python lock with the worker, so the graph's thread never waits on the worker (the
+    pool's idle semaphore is released by the worker after each job, and a `submit` that meets it mid-release
+    blocked the graph for the worker's whole next job, up to the interpreter's 5 ms switch interval). The
+    thread is a daemon, started on the first job and holding only the queue: it ends once the worker is
+    collected, and an exit hook drains it first, so no episode is lost at exit.
+    """
 
     def __init__(self) -> None:
-        super().__init__(max_workers=1, thread_name_prefix="mappa-trace")
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None]
+        self._queue = queue.SimpleQueue()
         self._jobs: list[Future[Any]] = []
         self._jobs_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
 
     def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
-        job = super().submit(fn, *args, **kwargs)
+        job: Future[Any] = Future()
         with self._jobs_lock:
             self._jobs.append(job)
+            if self._thread is None or not self._thread.is_alive():  # first job, or a forked child's copy
+                self._thread = threading.Thread(target=_work, args=(self._queue,), name="mappa-trace", daemon=True)
+                self._thread.start()
+                weakref.finalize(self, self._queue.put, None)
+                _WORKERS.add(self)
+        self._queue.put((job, fn, args, kwargs))
         return job
 
     def flush(self) -> None:
+        if threading.current_thread() is self._thread:
+            return  # a job that reads the store: waiting for itself would never return
         with self._jobs_lock:
             jobs, self._jobs = self._jobs, []
         errors = [job.exception() for job in jobs]
         for error in errors:
             if error is not None:
                 raise error
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Finish the queued jobs (when `wait`) and stop the thread; a later submit starts a new one."""
+        with self._jobs_lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            if wait:
+                thread.join()
+
+
+def _work(jobs: queue.SimpleQueue[Any]) -> None:
+    """The worker thread: run jobs in order until a None."""
+    while (item := jobs.get()) is not None:
+        job, fn, args, kwargs = item
+        if job.set_running_or_notify_cancel():
+            try:
+                job.set_result(fn(*args, **kwargs))
+            except BaseException as error:  # noqa: BLE001 - handed to flush(), which re-raises it
+                job.set_exception(error)
+        del item, job, fn, args, kwargs  # drop the episode's events before waiting for the next job
+
+
+_WORKERS: weakref.WeakSet[_TraceWorker] = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_workers() -> None:
+    """At interpreter exit, write what the workers still hold (their daemon threads would otherwise die with
+    episodes queued)."""
+    for worker in list(_WORKERS):
+        worker.shutdown(wait=True)
 
 
 class InstrumentedGraph:
@@ -91,7 +144,9 @@ class InstrumentedGraph:
     recent `keep` of them) and written to the store when one is given.
 
     With `background=True` (the default) episodes are built and stored on a worker thread, off the graph's
-    hot path; `episodes`, `last_episode`, `run_episode` and `flush()` wait for it, so nothing is missed.
+    hot path; `episodes`, `last_episode`, `run_episode`, `flush()` and the store's own reads (`store.episodes()`,
+    `count()`, rewards for a just-run episode) wait for it, so nothing is missed, and a failed write is raised
+    by whichever of them comes first.
 
     `agents` maps node paths (`researcher`, `researcher/agent`; the longest matching prefix wins) to agent
     names, or is a function of the path tuple (`("researcher", "agent")`) returning a name or None for the
@@ -125,6 +180,8 @@ class InstrumentedGraph:
         self._episodes: list[Episode] = []
         self._episodes_lock = threading.Lock()
         self._worker = _TraceWorker() if background else None
+        if store is not None and self._worker is not None:
+            store.attach_writer(self.flush)  # the store's reads wait for this graph's queued episodes
 
     # ---- episode plumbing -----------------------------------------------------------------------------
     def _collector(self) -> TraceCollector:

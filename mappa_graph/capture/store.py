@@ -2,6 +2,8 @@
 
 Each row keeps the full pydantic JSON plus the columns queries filter on, so the schema can grow without
 migrations of the payload. Every write is one transaction: an episode lands with all its actions or not at all.
+An instrumented graph writing here from its background thread is attached (`attach_writer`): reads wait for the
+episodes it still holds, so a call that has returned is always in the store.
 """
 
 from __future__ import annotations
@@ -9,8 +11,9 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +65,7 @@ class TraceStore:
                     f"({SCHEMA_VERSION}): upgrade mappa-graph to read it"
                 )
         self._closed = False
+        self._writers: list[weakref.WeakMethod[Callable[[], None]]] = []
 
     # ---- lifecycle --------------------------------------------------------------------------------------
     @contextmanager
@@ -75,11 +79,33 @@ class TraceStore:
                 raise
             self._db.execute("COMMIT")
 
+    def attach_writer(self, flush: Callable[[], None]) -> None:
+        """Register the `flush` of something that writes here from a background thread (an instrumented graph):
+        every read, and every write that refers to stored episodes (rewards, outcomes), first waits for what it
+        still holds, so an episode whose call has returned is always there. Held weakly."""
+        self._writers.append(weakref.WeakMethod(flush))  # type: ignore[arg-type]
+
+    def _settle(self) -> None:
+        """Wait for the attached background writers (outside the store's lock: they need it to write); a
+        write they failed is raised here."""
+        for ref in list(self._writers):
+            flush = ref()
+            if flush is None:
+                with suppress(ValueError):  # another thread dropped it first
+                    self._writers.remove(ref)
+            else:
+                flush()
+
     def close(self) -> None:
-        with self._lock:
-            if not self._closed:
-                self._db.close()
-                self._closed = True
+        """Close the file once the attached background writers are done (a write they failed is raised after
+        closing)."""
+        try:
+            self._settle()
+        finally:
+            with self._lock:
+                if not self._closed:
+                    self._db.close()
+                    self._closed = True
 
     def __enter__(self) -> TraceStore:
         return self
@@ -114,6 +140,7 @@ class TraceStore:
 
     def add_rewards(self, rewards: Iterable[Reward]) -> None:
         rewards = list(rewards)
+        self._settle()
         with self._tx():
             runs = {}
             for reward in rewards:
@@ -132,6 +159,7 @@ class TraceStore:
                 )
 
     def set_outcome(self, episode_id: str, outcome: float | None) -> None:
+        self._settle()
         with self._tx():
             row = self._db.execute("SELECT data FROM episodes WHERE id=?", (episode_id,)).fetchone()
             if row is None:
@@ -144,6 +172,7 @@ class TraceStore:
 
     # ---- reads ------------------------------------------------------------------------------------------
     def _query(self, sql: str, params: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
+        self._settle()
         with self._lock:
             return self._db.execute(sql, tuple(params)).fetchall()
 
@@ -245,6 +274,7 @@ class TraceStore:
     def delete_episodes_after(self, run: str, iteration: int) -> int:
         """Drop a run's episodes (with their actions and rewards) from iterations after `iteration`: what a
         resumed trainer redoes. Returns how many were dropped."""
+        self._settle()
         with self._tx():
             ids = [
                 r[0]

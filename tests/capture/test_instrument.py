@@ -89,3 +89,78 @@ def test_failing_graph_still_records_its_episode(tmp_path) -> None:
     assert "model exploded" in ep.error
     assert ep.actions[0].output_text.startswith("plan for task-1")
     assert ep.actions[1].node == "coder" and "model exploded" in ep.actions[1].error
+
+
+def test_a_failed_background_store_write_is_raised_not_swallowed(tmp_path) -> None:
+    class BrokenStore(TraceStore):
+        def add_episodes(self, episodes) -> None:
+            raise OSError("disk full")
+
+    app = instrument(build_graph().compile(), store=BrokenStore(tmp_path / "t.db"))
+    out = app.invoke(task_input(1))  # the graph's own result is untouched
+    assert out["messages"][-1].content == "task-1 answer: 101"
+    with pytest.raises(OSError, match="disk full"):
+        app.flush()
+    app.flush()  # reported once, then the writer carries on
+    assert len(app.episodes) == 1
+
+
+def test_background_episodes_are_complete_in_order_and_stored_when_flush_returns(tmp_path) -> None:
+    store = TraceStore(tmp_path / "t.db")
+    app = instrument(build_graph().compile(), store=store)
+    for n in range(12):
+        app.invoke(task_input(n))
+    app.flush()
+    assert store.count("episodes") == 12 and store.count("actions") == 48
+    assert [e.actions[-1].output_text for e in app.episodes] == [f"task-{n} answer: {n + 100}" for n in range(12)]
+    assert [e.actions[2].node_input["messages"][-1]["tool_calls"][0]["args"] for e in store.episodes()] == [
+        {"a": n, "b": 100} for n in range(12)]
+
+
+def test_the_writer_thread_ends_with_its_graph() -> None:
+    import gc
+    import time
+
+    app = instrument(build_graph().compile())
+    app.invoke(task_input(1))
+    thread = app._worker._thread  # one per instrumented graph; a graph dropped must not leave it running
+    assert thread is not None and thread.is_alive()
+    del app
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not thread.is_alive()
+
+
+def test_episodes_still_queued_at_interpreter_exit_are_written(tmp_path) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    db = tmp_path / "t.db"
+    script = (
+        "from mappa_graph import instrument\n"
+        "from tests.graphs import build_graph, task_input\n"
+        f"app = instrument(build_graph(delay_s=0.002).compile(), store={str(db)!r})\n"
+        "for n in range(20):\n"
+        "    app.invoke(task_input(n))\n"  # no flush: the exit hook must drain the writer
+    )
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", script], cwd=root, check=True, timeout=120)
+    assert TraceStore(db).count("episodes") == 20
+
+
+def test_the_store_waits_for_background_episodes_before_answering(tmp_path) -> None:
+    from mappa_graph.traces import Reward
+
+    store = TraceStore(tmp_path / "t.db")
+    app = instrument(build_graph(delay_s=0.001).compile(), store=store)
+    for n in range(6):
+        app.invoke(task_input(n))
+        # no flush: each read (and a reward for the episode just run) sees the call that has returned
+        assert store.count("episodes") == n + 1
+        (ep,) = store.episodes(task_id=None, limit=n + 1)[n:]
+        assert ep.actions[-1].output_text == f"task-{n} answer: {n + 100}"
+        store.add_rewards([Reward(action_id=ep.actions[0].id, episode_id=ep.id, agent="planner", judge="j", score=1.0)])
+    assert len(store.rewards()) == 6

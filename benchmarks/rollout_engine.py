@@ -72,7 +72,7 @@ def tokens_per_second(policies: AgentPolicies, n: int, max_new_tokens: int, *, e
         return generated / (time.perf_counter() - start)
     from transformers import GenerationConfig
 
-    ids = torch.tensor([prompt] * n)
+    ids = torch.tensor([prompt] * n, device=policies.device)
     config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
                               eos_token_id=policies.stop_token_ids, pad_token_id=policies.tokenizer.pad_token_id)
     start = time.perf_counter()
@@ -90,7 +90,7 @@ def tokens_per_second(policies: AgentPolicies, n: int, max_new_tokens: int, *, e
 
 def routing_seconds(policies: AgentPolicies, n: int, *, grouped: bool, repeats: int = 3) -> float:
     prompt = policies.render([{"role": "user", "content": "Compute the mean of the fare column, please."}])
-    ids = torch.tensor([prompt] * n)
+    ids = torch.tensor([prompt] * n, device=policies.device)
     names = [AGENTS[i % 3] for i in range(n)]
     best = float("inf")
     with torch.no_grad(), policies.lock:
@@ -103,6 +103,8 @@ def routing_seconds(policies: AgentPolicies, n: int, *, grouped: bool, repeats: 
                     policies.model(input_ids=ids[rows], logits_to_keep=1)
             else:
                 policies.model(input_ids=ids, adapter_names=names, logits_to_keep=1)
+            if ids.is_cuda:  # kernels run asynchronously: time them, not their launch
+                torch.cuda.synchronize()
             best = min(best, time.perf_counter() - start)
     return best
 
@@ -113,7 +115,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--device", default=None)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: where the model loads, the CPU)")
     parser.add_argument("--tables", type=int, nargs="+", default=[1, 2, 3], help="which tables to print")
     parser.add_argument("--repeats", type=int, default=2, help="best of this many runs per token-rate cell")
     args = parser.parse_args()

@@ -1,0 +1,64 @@
+"""scripts/gpu_check.sh in its CPU mode, on the tiny model: both steps run and one figures file holds them.
+
+The script is what a session lent a GPU runs blind (no network, minutes of device time), so its plumbing is
+tested here: the engine tables parsed into numbers, the learning run's before/after with their noise."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from benchmarks.real_model_learning import _gain, parse_args, rollouts_to_reach
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_rollouts_to_reach_is_the_first_point_at_or_above_target() -> None:
+    curve = [{"rollouts": 0, "success": 0.1}, {"rollouts": 64, "success": 0.3}, {"rollouts": 128, "success": 0.5}]
+    assert rollouts_to_reach(curve, 0.3) == 64
+    assert rollouts_to_reach(curve, 0.45) == 128
+    assert rollouts_to_reach(curve, 0.6) is None
+
+
+def test_gain_noise_combines_both_evaluations() -> None:
+    gain = _gain({"success": 0.2, "se_binomial": 0.03}, {"success": 0.5, "se_binomial": 0.04})
+    assert gain["points"] == pytest.approx(0.3)
+    assert gain["se"] == pytest.approx(0.05)
+    assert gain["z"] == pytest.approx(6.0)
+
+
+def test_quick_mode_cuts_the_budget_and_eval_tasks_are_bounded() -> None:
+    quick, full = parse_args(["--quick"]), parse_args([])
+    assert quick.iterations * quick.tasks * quick.group < full.iterations * full.tasks * full.group
+    assert quick.eval_tasks * quick.eval_rollouts < full.eval_tasks * full.eval_rollouts
+    with pytest.raises(SystemExit):
+        parse_args(["--eval-tasks", "111"])  # only 110 tasks are left out of training
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_mode_writes_the_figures(tmp_path: Path) -> None:
+    out = tmp_path / "figures" / "gpu_check.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.setdefault("MAPPA_CACHE_DIR", str(ROOT / ".mappa_cache"))
+    run = subprocess.run(["bash", "scripts/gpu_check.sh", "--device", "cpu", "--model", "tiny", "--out", str(out)],
+                         check=False, cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["device"] == "cpu" and figures["model"] == "tiny"
+    eps = figures["rollout_engine"]["episodes_per_s"]
+    assert [int(r[0]) for r in eps] == [4]  # the CPU mode's one concurrency, parsed out of the table
+    assert all(v > 0 and math.isfinite(v) for row in eps for v in row)
+    assert figures["rollout_engine"]["tokens_per_s"] and "lora_routing_ms" not in figures["rollout_engine"]
+    learning = figures["learning"]
+    for point in (learning["before"], *learning["after"].values()):
+        assert 0.0 <= point["success"] <= 1.0
+        assert point["episodes"] == 32 and point["se_binomial"] >= 0.0
+    assert set(learning["after"]) == {"process", "outcome"}
+    assert learning["ratio_kind"]
+    assert (out.parent / "rollout_engine.log").exists() and (out.parent / "real_model_learning.png").exists()

@@ -39,10 +39,12 @@ def refund_policy(reason: str) -> str:
 
 
 def build_support_team(*, model: str = "gpt-4o-mini", supervisor_model: BaseChatModel | None = None,
-                       max_tokens: int | None = None, streaming: bool = False) -> Any:
-    """The compiled team. `supervisor_model` replaces the supervisor's ChatOpenAI (any chat model with tool
-    calling); `max_tokens` and `streaming` go to the workers' ChatOpenAI."""
-    llm = ChatOpenAI(model=model, max_tokens=max_tokens, streaming=streaming)
+                       worker_model: BaseChatModel | None = None, max_tokens: int | None = None,
+                       streaming: bool = False) -> Any:
+    """The compiled team. `supervisor_model` / `worker_model` replace the supervisor's / the workers'
+    ChatOpenAI (any chat model with tool calling); `max_tokens` and `streaming` go to the workers' ChatOpenAI
+    (the supervisor's asks for no length: the server's default applies)."""
+    llm = worker_model or ChatOpenAI(model=model, max_tokens=max_tokens, streaming=streaming)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         researcher = create_react_agent(llm, [lookup_order], name="researcher",

@@ -91,7 +91,9 @@ class PolicyEndpoint:
 
     `agents` maps the outermost node of a call's task path to its agent (or is a function of the call's run
     metadata); by default the node's name is the agent. `api_key`: when set, requests must carry it as a
-    Bearer token. `max_tokens`: the completion length when a request sets none."""
+    Bearer token. `max_tokens`: the completion length when a request sets none. `pending_ttl`: seconds after
+    which a registered call whose reply never came back (its app died) is dropped rather than kept for a
+    request it could be mistaken for; longer than any request may wait (`upstream_timeout`)."""
 
     def __init__(
         self,
@@ -105,6 +107,7 @@ class PolicyEndpoint:
         max_tokens: int = 64,
         served_name: str | None = None,
         upstream_timeout: float = 300.0,
+        pending_ttl: float = 900.0,
     ) -> None:
         require_endpoint_extra()
         if (policies is None) == (upstream is None):
@@ -117,7 +120,7 @@ class PolicyEndpoint:
         self.max_tokens = max_tokens
         self.upstream_timeout = upstream_timeout
         self.served_name = served_name or (policies.base_name if policies is not None else upstream.base_model)
-        self.registry = CallRegistry()
+        self.registry = CallRegistry(stale_after=pending_ttl)
         self.router = CallRouter(self.registry, agents=agents)
         # calls registered over HTTP (an app in another process) name their node; map it here as well
         self._node_agents = dict(agents) if isinstance(agents, Mapping) else {}
@@ -304,8 +307,12 @@ class PolicyEndpoint:
             log.exception("mappa policy endpoint: a chat completion failed")
             return self._refuse(RouteError(500, f"the endpoint failed: {type(exc).__name__}: {exc}",
                                            code="internal_error", type="server_error"))
-        self.registry.put_record(completion.id, self._record(completion, settings),
-                                 call.run_id if call is not None else None)
+        if not self.registry.put_record(completion.id, self._record(completion, settings),
+                                        call.run_id if call is not None else None,
+                                        key=call.key if call is not None else None):
+            # the call left while it was sampled (its client gave up, its episode ended): the reply goes out
+            # for the socket's sake, but no record is kept that no one would collect
+            log.debug("mappa policy endpoint: %s answered a call no longer pending (%s)", completion.id, call.run_id)
         self.requests_served += 1
         headers = {"x-mappa-agent": completion.agent, "x-mappa-adapter": str(completion.adapter)}
         if payload.get("stream"):

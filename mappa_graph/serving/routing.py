@@ -13,6 +13,13 @@ PolicyChatModel), so the Action records the tokens that were sampled, not a re-e
 Identical in-flight prompts of one agent (G rollouts of a task) are interchangeable for routing; identical
 prompts of two agents at once cannot be told apart from the request, so they are refused (`RouteError`, 409)
 unless the client names the agent as `model`. This module never imports langgraph.
+
+A pending call must not outlive its episode: a stale one would hold memory and, worse, answer a later request
+with the same messages (under its agent's adapter, or refusing it as ambiguous). So a call leaves the registry
+when its reply or error comes back, when the outermost run it belongs to ends without it (an episode failed or
+abandoned while a callback never fired), and at the latest `stale_after` seconds after it was registered (an
+app process that died with calls in flight, which no callback will ever report). A completion answered after
+its call left (the client disconnected or gave up) is not kept: no one would collect its record.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -108,41 +116,76 @@ class PendingCall:
     seed: int | None = None  # from the rollout's mappa_seed, as PolicyChatModel derives it
     greedy: bool = False  # the trainer's greedy evaluation flag
     claims: int = 0
+    registered_at: float = 0.0  # the registry's clock when registered: a call older than stale_after expires
 
 
 class CallRegistry:
     """Pending calls by key, and the token records the endpoint produced until the router collects them.
 
     Thread-safe: the app's threads register, the server's event loop claims. Records wait under their
-    completion id (bounded: a client without the router never collects them)."""
+    completion id (bounded: a client without the router never collects them). A call registered more than
+    `stale_after` seconds ago (by `clock`) is expired: dropped, never claimed."""
 
-    def __init__(self, *, keep_records: int = 4096) -> None:
-        self._pending: dict[UUID, PendingCall] = {}
+    def __init__(self, *, keep_records: int = 4096, stale_after: float = 900.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if stale_after <= 0:
+            raise ValueError(f"stale_after must be > 0 seconds, got {stale_after}")
+        self._pending: dict[UUID, PendingCall] = {}  # in registration order, so the oldest come first
         self._by_key: dict[str, list[UUID]] = {}
-        self._records: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._records: OrderedDict[str, tuple[dict[str, Any], UUID | None]] = OrderedDict()
         self._record_of_run: dict[UUID, str] = {}
         self._keep = keep_records
+        self.stale_after, self.clock = stale_after, clock
+        self.expired = 0  # calls dropped as stale, for the endpoint's logs and tests
         self._lock = threading.Lock()
 
     def register(self, call: PendingCall) -> None:
         with self._lock:
+            self._expire()
+            self._drop(call.run_id)  # a run id registered twice (a retried callback) is one call, not two
+            call.registered_at = self.clock()
             self._pending[call.run_id] = call
             self._by_key.setdefault(call.key, []).append(call.run_id)
 
     def drop(self, run_id: UUID) -> None:
+        """The call is over (answered, failed or abandoned): forget it and any record it left uncollected."""
         with self._lock:
-            call = self._pending.pop(run_id, None)
-            if call is not None:
-                ids = self._by_key.get(call.key, [])
-                if run_id in ids:
-                    ids.remove(run_id)
-                if not ids:
-                    self._by_key.pop(call.key, None)
-            self._record_of_run.pop(run_id, None)
+            self._drop(run_id)
+
+    def _drop(self, run_id: UUID) -> None:
+        call = self._pending.pop(run_id, None)
+        if call is not None:
+            ids = self._by_key.get(call.key, [])
+            if run_id in ids:
+                ids.remove(run_id)
+            if not ids:
+                self._by_key.pop(call.key, None)
+        completion_id = self._record_of_run.pop(run_id, None)
+        if completion_id is not None:
+            self._records.pop(completion_id, None)
+
+    def _expire(self) -> None:
+        """Drop the calls older than stale_after (the oldest come first in `_pending`). Lock held."""
+        horizon = self.clock() - self.stale_after
+        stale = []
+        for run_id, call in self._pending.items():
+            if call.registered_at > horizon:
+                break
+            stale.append(run_id)
+        for run_id in stale:
+            self._drop(run_id)
+        self.expired += len(stale)
 
     def pending(self) -> list[PendingCall]:
         with self._lock:
+            self._expire()
             return list(self._pending.values())
+
+    def counts(self) -> dict[str, int]:
+        """How much the registry holds: pending calls, keys, uncollected records and run-to-record links."""
+        with self._lock:
+            return {"pending": len(self._pending), "keys": len(self._by_key), "records": len(self._records),
+                    "record_links": len(self._record_of_run)}
 
     def claim(self, key: str, *, model: str | None, agents: Sequence[str]) -> PendingCall | None:
         """The pending call a request with this key answers, or None when the client named an agent as
@@ -154,6 +197,7 @@ class CallRegistry:
         is not served."""
         named = model if model in agents else None
         with self._lock:
+            self._expire()
             calls = [self._pending[r] for r in self._by_key.get(key, []) if r in self._pending]
             if named is not None:
                 calls = [c for c in calls if c.agent == named]
@@ -178,14 +222,32 @@ class CallRegistry:
                              "(CallRouter(agents={...}))", code="model_not_found", param="model")
         return call
 
-    def put_record(self, completion_id: str, record: dict[str, Any], run_id: UUID | None) -> None:
-        """Keep the token record of a completion until the router collects it."""
+    def put_record(self, completion_id: str, record: dict[str, Any], run_id: UUID | None, *,
+                   key: str | None = None) -> bool:
+        """Keep the token record of a completion until the router collects it (by the completion id the reply
+        carries, or by the run id for a client that drops it).
+
+        Identical calls of one agent are interchangeable, so the claimed call (`run_id`) may have finished
+        already, collected by its twin's request: the record is then linked to a twin still pending (same
+        `key`). With none left, False and nothing is kept: the client gave up or its episode ended, so no one
+        will collect it, and a record kept under a finished run id would never be freed."""
         with self._lock:
-            self._records[completion_id] = record
+            if run_id is not None and run_id not in self._pending:
+                twins = [r for r in self._by_key.get(key or "", []) if r not in self._record_of_run]
+                if not twins and not self._by_key.get(key or ""):
+                    return False
+                run_id = twins[0] if twins else None
             if run_id is not None:
+                earlier = self._record_of_run.get(run_id)
+                if earlier is not None:  # a retried request of the same call: the last answer is the one kept
+                    self._records.pop(earlier, None)
                 self._record_of_run[run_id] = completion_id
+            self._records[completion_id] = (record, run_id)
             while len(self._records) > self._keep:
-                self._records.popitem(last=False)
+                cid, (_, owner) = self._records.popitem(last=False)
+                if owner is not None and self._record_of_run.get(owner) == cid:
+                    del self._record_of_run[owner]
+            return True
 
     def finish(self, run_id: UUID, completion_ids: Sequence[str | None]) -> list[dict[str, Any] | None]:
         """A call's reply is back: the token record of each generation (by the completion id it carries), and
@@ -202,7 +264,10 @@ class CallRegistry:
             fallback = self._record_of_run.pop(run_id, None)
             for cid in (completion_id, fallback):
                 if cid and cid in self._records:
-                    return self._records.pop(cid)
+                    record, owner = self._records.pop(cid)
+                    if owner is not None and owner != run_id and self._record_of_run.get(owner) == cid:
+                        del self._record_of_run[owner]
+                    return record
         return None
 
 
@@ -220,6 +285,12 @@ class CallRouter(BaseCallbackHandler):
 
     def __init__(self, registry: CallRegistry, *, agents: Mapping[str, str] | AgentOf | None = None) -> None:
         self.registry = registry
+        # the outermost open run (an episode) of each open chain/tool run, and the calls each episode still has
+        # pending: when the episode ends, what is left was abandoned (a callback that never came) and is dropped
+        self._root_of: dict[UUID, UUID] = {}
+        self._open_calls: dict[UUID, set[UUID]] = {}
+        self._root_of_call: dict[UUID, UUID] = {}
+        self._lock = threading.Lock()
         if agents is None:
             self.agent_of: AgentOf = first_node
         elif callable(agents):
@@ -228,6 +299,49 @@ class CallRouter(BaseCallbackHandler):
             mapping = dict(agents)
             self.agent_of = lambda meta: mapping.get(first_node(meta) or "", first_node(meta))
 
+    # ---- episode bookkeeping: which outermost run each call belongs to ------------------------------------
+    def _enter(self, run_id: UUID, parent_run_id: UUID | None) -> None:
+        with self._lock:
+            self._root_of[run_id] = self._root_of.get(parent_run_id, run_id) if parent_run_id else run_id
+
+    def _exit(self, run_id: UUID) -> None:
+        with self._lock:
+            root = self._root_of.pop(run_id, None)
+            leftover = self._open_calls.pop(run_id, set()) if root == run_id else set()
+            for call in leftover:
+                self._root_of_call.pop(call, None)
+        for call in leftover:  # the episode is over and these replies never came: they will not now
+            self.registry.finish(call, [])
+
+    def _call_done(self, run_id: UUID) -> None:
+        with self._lock:
+            root = self._root_of_call.pop(run_id, None)
+            if root is not None:
+                calls = self._open_calls.get(root)
+                if calls is not None:
+                    calls.discard(run_id)
+
+    def on_chain_start(self, serialized: Any, inputs: Any, *, run_id: UUID, parent_run_id: UUID | None = None,
+                       **kwargs: Any) -> None:
+        self._enter(run_id, parent_run_id)
+
+    def on_tool_start(self, serialized: Any, input_str: str, *, run_id: UUID, parent_run_id: UUID | None = None,
+                      **kwargs: Any) -> None:
+        self._enter(run_id, parent_run_id)
+
+    def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        self._exit(run_id)
+
+    def on_chain_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        self._exit(run_id)
+
+    def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        self._exit(run_id)
+
+    def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        self._exit(run_id)
+
+    # ---- the calls ------------------------------------------------------------------------------------------
     def on_chat_model_start(self, serialized: Any, messages: list[list[BaseMessage]], *, run_id: UUID,
                             parent_run_id: UUID | None = None, metadata: dict[str, Any] | None = None,
                             **kwargs: Any) -> None:
@@ -240,8 +354,14 @@ class CallRouter(BaseCallbackHandler):
         self.registry.register(PendingCall(
             run_id=run_id, agent=agent, node=first_node(meta), key=call_key(prompt, tool_names(params.get("tools"))),
             seed=call_seed(meta, agent or "", prompt), greedy=bool(meta.get("mappa_greedy"))))
+        with self._lock:
+            root = self._root_of.get(parent_run_id) if parent_run_id else None
+            if root is not None:
+                self._open_calls.setdefault(root, set()).add(run_id)
+                self._root_of_call[run_id] = root
 
     def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        self._call_done(run_id)
         messages = [g.message for gens in response.generations or [] for g in gens if getattr(g, "message", None)]
         records = self.registry.finish(run_id, [_completion_id(m.response_metadata) for m in messages])
         for message, record in zip(messages, records):
@@ -249,7 +369,13 @@ class CallRouter(BaseCallbackHandler):
                 message.response_metadata[MAPPA_KEY] = record
 
     def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        self._call_done(run_id)
         self.registry.finish(run_id, [])
+
+    def open_runs(self) -> int:
+        """Open chain/tool runs and episodes with calls in flight that the router is tracking (0 when idle)."""
+        with self._lock:
+            return len(self._root_of) + len(self._open_calls)
 
 
 def _completion_id(response_metadata: Mapping[str, Any]) -> str | None:

@@ -3,11 +3,12 @@ tables. The README's main job:
 
     .venv/bin/python examples/data_analysis.py [--iterations 6] [--out reports/data_analysis]
 
-CPU default: the tiny offline model, warm-started on templated questions over the DABench tables (a column
-mean, a filter-and-count, a correlation; answers computed with pandas), then a short MAPPA run with the
-process judge, then held-out accuracy before/after on templated questions and on a few real DABench
-questions (the tiny model is not expected to solve those: they show the path works). Writes a report folder:
-report.json, rewards.png, metrics.jsonl, the exported adapters and the trace DB.
+CPU default: the tiny offline model, warm-started on templated questions over six small DABench tables (a
+column mean, a filter-and-count, a correlation; answers computed with pandas; see SMALL_TABLES for why these),
+then a short MAPPA run with the process judge, then held-out accuracy before/after (sampled rollouts, with
+the standard error) on templated questions and on a few real DABench questions (the tiny model is not
+expected to solve those: they show the path works). Writes a report folder: report.json, rewards.png,
+metrics.jsonl, the exported adapters and the trace DB.
 
 Real models: `--model Qwen/Qwen3-1.7B` (HF name or local path) trains on real DABench questions;
 `--judge http://host:8000/v1 --judge-model NAME` scores with an LLM judge over an OpenAI-compatible
@@ -43,7 +44,7 @@ from mappa_graph.models.sft import warm_start
 from mappa_graph.training import RayConfig
 from mappa_graph.training.metrics import plot_rewards
 from tools.dabench import load_dabench
-from tools.dabench_templates import templated_tasks
+from tools.dabench_templates import SMALL_TABLES, templated_tasks
 from tools.sandbox import PythonSandbox
 
 
@@ -58,10 +59,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ray-concurrency", type=int, default=1, help="episodes each Ray actor runs at once")
     p.add_argument("--ray-cpus-per-worker", type=float, default=1.0, help="CPUs Ray reserves per actor")
     p.add_argument("--iterations", type=int, default=3)
-    p.add_argument("--tasks-per-iteration", type=int, default=6)
-    p.add_argument("--held-out", type=int, default=12, help="held-out templated questions to evaluate on")
+    p.add_argument("--tasks-per-iteration", type=int, default=16)
+    p.add_argument("--held-out", type=int, default=24, help="held-out templated questions to evaluate on")
+    p.add_argument("--eval-rollouts", type=int, default=4, help="sampled rollouts per held-out question")
     p.add_argument("--real-questions", type=int, default=3, help="real DABench questions to evaluate on")
     p.add_argument("--warm-steps", type=int, default=500, help="supervised warm-start steps (tiny model only)")
+    p.add_argument("--warm-noise", type=float, default=0.0,
+                   help="share of warm-start replies with a typical slip (tiny model only)")
     p.add_argument("--out", default="reports/data_analysis")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
@@ -75,12 +79,13 @@ def main() -> None:
     tool = team.make_table_tool(PythonSandbox(cpu_seconds=10, wall_seconds=20, memory_mb=1024))  # warm start
     real = [recipe.to_task(t) for t in load_dabench(levels=["easy"], limit=args.real_questions)]
     if args.model == "tiny":
-        templated = templated_tasks(128 + args.held_out, seed=args.seed)
-        train_raw, held_raw = templated[:128], templated[128:]
-        print(f"warm start on {len(train_raw)} templated questions over the DABench tables ...", flush=True)
-        base = str(warm_start("tiny", recipe.warm_start_examples(train_raw, tool, noise=0.5, seed=args.seed),
-                              steps=args.warm_steps, batch_size=8, lr=5e-3,
-                              seed=args.seed))
+        templated = templated_tasks(1000, seed=args.seed, tables=SMALL_TABLES, max_number_chars=5)
+        train_raw, held_raw = templated[: -args.held_out], templated[-args.held_out :]
+        print(f"warm start on {len(train_raw)} templated questions over {len(SMALL_TABLES)} DABench tables ...",
+              flush=True)
+        base = str(warm_start("tiny", recipe.warm_start_examples(train_raw, tool, noise=args.warm_noise,
+                                                                 seed=args.seed),
+                              steps=args.warm_steps, batch_size=8, lr=1e-2, seed=args.seed))
         train, held_out = [recipe.to_task(t) for t in train_raw], [recipe.to_task(t) for t in held_raw]
     else:
         base = args.model
@@ -96,23 +101,32 @@ def main() -> None:
         judge = MixJudge([(LLMJudge(llm, roles=team.ROLES), 0.5), (judge, 0.5)])
     config = TrainConfig(
         run_name="data-analysis", output_dir=str(out), iterations=args.iterations,
-        tasks_per_iteration=args.tasks_per_iteration, rollouts_per_task=2, rollout_concurrency=2, seed=args.seed,
-        lr=2e-3, ppo_epochs=2, max_new_tokens=64, reward=RewardConfig(filter_zero_signal=False),
+        tasks_per_iteration=args.tasks_per_iteration, rollouts_per_task=4, rollout_concurrency=8, seed=args.seed,
+        lr=3e-3, ppo_epochs=2, max_new_tokens=64, reward=RewardConfig(filter_zero_signal=False),
         rollout_backend="ray" if args.ray else "local",
         ray=RayConfig(address=None if args.ray in (None, "local") else args.ray, workers=args.ray_workers,
                       concurrency_per_worker=args.ray_concurrency, cpus_per_worker=args.ray_cpus_per_worker,
                       load_base=not args.vllm,  # with a server generating, workers need only the adapter files
                       runtime_env=None if args.ray in (None, "local") else {"working_dir": str(ROOT)}),
     )
-    trainer = Trainer(graph, policies, judge, train, config, outcome=recipe.outcome, eval_tasks=held_out)
+    trainer = Trainer(graph, policies, judge, train, config, outcome=recipe.outcome)
 
-    before = {"held_out": trainer.evaluate(held_out), "real_dabench": trainer.evaluate(real)}
-    print(f"accuracy before: held-out templated {before['held_out']:.2f}, real DABench {before['real_dabench']:.2f}")
+    def accuracy(tasks: list, rollouts: int) -> dict[str, float]:
+        """Mean outcome of `rollouts` sampled episodes per task, with its binomial standard error."""
+        p = trainer.evaluate(tasks, rollouts=rollouts)
+        n = len(tasks) * rollouts
+        return {"accuracy": p, "stderr": (p * (1 - p) / n) ** 0.5, "episodes": n}
+
+    def show(label: str, acc: dict[str, dict[str, float]]) -> None:
+        h, r = acc["held_out"], acc["real_dabench"]
+        print(f"accuracy {label} held-out templated {h['accuracy']:.2f} ± {h['stderr']:.2f} ({h['episodes']} "
+              f"episodes), real DABench {r['accuracy']:.2f} ({r['episodes']} episodes)", flush=True)
+
+    before = {"held_out": accuracy(held_out, args.eval_rollouts), "real_dabench": accuracy(real, 1)}
+    show("before:", before)
     records = trainer.train()
-    # the trainer evaluated its eval_tasks (held_out) after the last iteration (eval_every=0: at the end only)
-    after = {"held_out": records[-1]["eval_success"] if records else trainer.evaluate(held_out),
-             "real_dabench": trainer.evaluate(real)}
-    print(f"accuracy after:  held-out templated {after['held_out']:.2f}, real DABench {after['real_dabench']:.2f}")
+    after = {"held_out": accuracy(held_out, args.eval_rollouts), "real_dabench": accuracy(real, 1)}
+    show("after: ", after)
 
     print("\nmean reward per agent and iteration (process judge):")
     print("  iter  " + "  ".join(f"{a:>8s}" for a in team.AGENTS) + "  success")

@@ -17,7 +17,9 @@ from mappa_graph.training.credit import RewardConfig
 def _trainer(out, judge=None, *, store=None, resume=False, **kw):
     torch.manual_seed(0)
     config = TrainConfig(run_name="t", output_dir=str(out), iterations=3, tasks_per_iteration=6, rollouts_per_task=2,
-                         rollout_concurrency=2, lr=5e-2, ppo_epochs=1, max_new_tokens=6,
+                         # one episode at a time: the engine then samples the same tokens whatever the machine's
+                         # load (concurrent rows batch by timing), so the stored actions are the same every run
+                         rollout_concurrency=1, lr=5e-2, ppo_epochs=1, max_new_tokens=6,
                          frozen_agents=["planner"], reward=RewardConfig(filter_zero_signal=False),
                          kl_coef=0.0,  # no KL in the reward: all-equal judge scores then carry no signal at all
                          **kw)

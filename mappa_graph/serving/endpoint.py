@@ -307,12 +307,9 @@ class PolicyEndpoint:
             log.exception("mappa policy endpoint: a chat completion failed")
             return self._refuse(RouteError(500, f"the endpoint failed: {type(exc).__name__}: {exc}",
                                            code="internal_error", type="server_error"))
-        if not self.registry.put_record(completion.id, self._record(completion, settings),
-                                        call.run_id if call is not None else None,
-                                        key=call.key if call is not None else None):
-            # the call left while it was sampled (its client gave up, its episode ended): the reply goes out
-            # for the socket's sake, but no record is kept that no one would collect
-            log.debug("mappa policy endpoint: %s answered a call no longer pending (%s)", completion.id, call.run_id)
+        self.registry.put_record(completion.id, self._record(completion, settings),
+                                 call.run_id if call is not None else None,
+                                 key=call.key if call is not None else None)
         self.requests_served += 1
         headers = {"x-mappa-agent": completion.agent, "x-mappa-adapter": str(completion.adapter)}
         if payload.get("stream"):

@@ -229,13 +229,12 @@ class CallRegistry:
 
         Identical calls of one agent are interchangeable, so the claimed call (`run_id`) may have finished
         already, collected by its twin's request: the record is then linked to a twin still pending (same
-        `key`). With none left, False and nothing is kept: the client gave up or its episode ended, so no one
-        will collect it, and a record kept under a finished run id would never be freed."""
+        `key`). With none to link to, the record is kept unlinked, for a client that reads it by completion id
+        (one still waiting on this very reply), and it leaves with the bounded queue's oldest: never under a
+        finished run id, which no one would free. Returns whether the record is linked to a pending call."""
         with self._lock:
             if run_id is not None and run_id not in self._pending:
                 twins = [r for r in self._by_key.get(key or "", []) if r not in self._record_of_run]
-                if not twins and not self._by_key.get(key or ""):
-                    return False
                 run_id = twins[0] if twins else None
             if run_id is not None:
                 earlier = self._record_of_run.get(run_id)
@@ -247,7 +246,7 @@ class CallRegistry:
                 cid, (_, owner) = self._records.popitem(last=False)
                 if owner is not None and self._record_of_run.get(owner) == cid:
                     del self._record_of_run[owner]
-            return True
+            return run_id is not None
 
     def finish(self, run_id: UUID, completion_ids: Sequence[str | None]) -> list[dict[str, Any] | None]:
         """A call's reply is back: the token record of each generation (by the completion id it carries), and

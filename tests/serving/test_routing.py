@@ -85,9 +85,10 @@ def test_a_call_whose_reply_never_comes_back_is_dropped_when_its_episode_ends(en
                                        messages=[{"role": "user", "content": "order A17 arrived damaged"}])
 
 
-def test_a_completion_answered_after_its_client_gave_up_is_not_kept(endpoint, policies, monkeypatch):
+def test_a_completion_answered_after_its_client_gave_up_is_not_linked_to_its_run(endpoint, policies, monkeypatch):
     """The client times out (on_llm_error drops its call) while the endpoint is still sampling: the record of
-    the late completion would otherwise wait forever under a run id no one will finish."""
+    the late completion must not wait under a run id no one will finish; it is kept unlinked (a waiting client
+    reads records by completion id) and leaves with the bounded queue's oldest."""
     release, started = threading.Event(), threading.Event()
     sample = policies.sample
 
@@ -104,7 +105,9 @@ def test_a_completion_answered_after_its_client_gave_up_is_not_kept(endpoint, po
     assert started.is_set() and endpoint.registry.counts()["pending"] == 0
     release.set()
     wait_for(lambda: endpoint.requests_served > served, "the late completion")
-    assert endpoint.registry.counts() == EMPTY
+    assert endpoint.registry.counts() == {**EMPTY, "records": 1}  # unlinked: no run id holds it
+    [late_id] = list(endpoint.registry._records)  # a client that did wait would read it by this id
+    assert endpoint.registry.finish(uuid.uuid4(), [late_id])[0]["output_token_ids"]
 
 
 def test_a_call_of_an_app_that_died_expires_and_routes_nothing(endpoint):
@@ -160,8 +163,11 @@ def test_records_evicted_or_abandoned_leave_no_run_links():
     assert registry.counts() == {"pending": 1, "keys": 1, "records": 1, "record_links": 1}
     assert registry.finish(runs[2], [None]) == [{"n": 2}]  # a client that drops the id: the run's last record
     assert registry.counts() == EMPTY
-    assert not registry.put_record("chatcmpl-late", {"n": 9}, runs[2])  # its call is over: nothing kept
-    assert registry.counts() == EMPTY
+    assert not registry.put_record("chatcmpl-late", {"n": 9}, runs[2])  # its call is over: kept unlinked
+    assert registry.counts() == {**EMPTY, "records": 1}
+    for n in range(3):  # bounded: newer records push it out
+        registry.put_record(f"chatcmpl-new{n}", {"n": n}, None)
+    assert registry.finish(uuid.uuid4(), ["chatcmpl-late"]) == [None] and registry.counts()["records"] == 2
 
 
 def test_a_record_claimed_under_a_finished_twin_still_reaches_its_requester():

@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also report cProfile figures per graph run")
     parser.add_argument("--profile-only", action="store_true", help="only the cProfile figures")
     args = parser.parse_args()
-    three_node = lambda: build_graph(delay_s=0.001).compile()  # noqa: E731
+    three_node = lambda: build_graph(delay_s=0.001).compile()
     if args.runs and not args.profile_only:
         measure(f"{args.runs} runs of a 3-node graph (planner, coder + tool call, ToolNode), 1 ms per model call",
                 three_node, args.runs, args.block)

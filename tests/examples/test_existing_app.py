@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from examples import existing_app
-from mappa_graph.models.chat import to_hf_messages
 from mappa_graph.messages import dict_to_message
+from mappa_graph.models.chat import to_hf_messages
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning",

@@ -22,7 +22,7 @@ def test_small_tables_short_numbers_only_and_answers_are_pandas() -> None:
         kind = task.concepts[0]
         threshold = float(task.question.rsplit(" ", 1)[1].rstrip("?")) if kind == "count" else None
         code = code_for(kind, task_columns(task), threshold)
-        printed = str(eval(code.removeprefix("print(")[:-1], {"df": df}))  # noqa: S307 - our own template
+        printed = str(eval(code.removeprefix("print(")[:-1], {"df": df}))
         field = task.answers[0][0]
         assert check_answer(task.answers, f"@{field}[{printed}]", task.format).correct, (task.question, printed)
 

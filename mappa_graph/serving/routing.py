@@ -238,8 +238,11 @@ class CallRegistry:
                 run_id = twins[0] if twins else None
             if run_id is not None:
                 earlier = self._record_of_run.get(run_id)
-                if earlier is not None:  # a retried request of the same call: the last answer is the one kept
-                    self._records.pop(earlier, None)
+                if earlier in self._records:
+                    # a second request matched to this call (a retry, or a twin's request that claimed it): the
+                    # earlier record may be another client's reply, which it reads by completion id, so it stays
+                    # (unlinked, bounded) rather than being discarded
+                    self._records[earlier] = (self._records[earlier][0], None)
                 self._record_of_run[run_id] = completion_id
             self._records[completion_id] = (record, run_id)
             while len(self._records) > self._keep:

@@ -186,3 +186,18 @@ def test_a_record_claimed_under_a_finished_twin_still_reaches_its_requester():
     assert registry.put_record("chatcmpl-2", {"n": 2}, other.run_id, key=key)
     assert registry.finish(first.run_id, ["chatcmpl-2"]) == [{"n": 2}]
     assert registry.counts() == EMPTY
+
+
+def test_two_requests_matched_to_one_call_both_keep_their_records():
+    """Identical calls race: two requests can be matched to the same pending call. The second must not discard
+    the first's record, which the first request's own client reads by completion id."""
+    registry = CallRegistry()
+    key = call_key([HumanMessage("same task, rollouts A and B")])
+    a, b = (PendingCall(run_id=uuid.uuid4(), agent="writer", node="writer", key=key) for _ in range(2))
+    registry.register(a)
+    registry.register(b)
+    assert registry.put_record("chatcmpl-1", {"n": 1}, a.run_id, key=key)  # b's request, matched to a
+    assert registry.put_record("chatcmpl-2", {"n": 2}, a.run_id, key=key)  # a's own request, also matched to a
+    assert registry.finish(b.run_id, ["chatcmpl-1"]) == [{"n": 1}]
+    assert registry.finish(a.run_id, ["chatcmpl-2"]) == [{"n": 2}]
+    assert registry.counts() == EMPTY

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from tqdm.auto import tqdm
 
 from .loading import load_base_model
 from .quiet import quiet_transformers
-from .tiny import cache_root
+from .tiny import building, cache_root
 
 
 class SFTExample(BaseModel):
@@ -78,16 +77,11 @@ def warm_start(
         sched.step()
         losses.append(loss.item())
     model.eval()
-    tmp = target.with_name(f".{target.name}.tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    with quiet_transformers():
-        model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "warm_start.json").write_text(json.dumps({"base": base, "steps": steps, "final_loss": losses[-1]}))
-    if target.exists():
-        shutil.rmtree(target)
-    tmp.rename(target)
+    with building(target) as work:
+        with quiet_transformers():
+            model.save_pretrained(work)
+        tokenizer.save_pretrained(work)
+        (work / "warm_start.json").write_text(json.dumps({"base": base, "steps": steps, "final_loss": losses[-1]}))
     return target
 
 

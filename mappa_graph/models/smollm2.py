@@ -13,14 +13,12 @@ tool schemas and tool calls the way the project parses them (Hermes/Qwen `<tool_
 from __future__ import annotations
 
 import json
-import shutil
 import sys
-import tempfile
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
 from .quiet import quiet_transformers
-from .tiny import cache_root
+from .tiny import building, cache_root
 
 SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_VERSION = "v1"  # bump when the conversion or the template changes: the cache folder is rebuilt
@@ -90,9 +88,7 @@ def build_smollm2(cache_dir: str | Path | None = None, *, force: bool = False) -
         raise ImportError(f"converting '{SMOLLM2_NAME}' needs the gguf package: {INSTALL}") from None
     print(f"mappa: converting {gguf_path.name} to an fp32 safetensors folder in {target} (once, ~30 s)",
           file=sys.stderr, flush=True)
-    root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".smollm2-build-", dir=root))
-    try:
+    with building(target) as work:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                      dtype=torch.float32)
@@ -113,11 +109,5 @@ def build_smollm2(cache_dir: str | Path | None = None, *, force: bool = False) -
         meta = {"version": SMOLLM2_VERSION, "source": f"{WHEEL}=={WHEEL_VERSION}:{GGUF_FILE}",
                 "parameters": sum(p.numel() for p in model.parameters())}
         (work / "mappa_smollm2.json").write_text(json.dumps(meta))
-        if target.exists():
-            shutil.rmtree(target)
-        work.rename(target)
-    finally:
-        if work.exists():
-            shutil.rmtree(work, ignore_errors=True)
     print(f"mappa: {SMOLLM2_NAME} ready in {target}", file=sys.stderr, flush=True)
     return target

@@ -13,6 +13,8 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from .quiet import quiet_transformers
@@ -77,6 +79,23 @@ def cache_root() -> Path:
     return Path(os.environ.get("MAPPA_CACHE_DIR", Path.home() / ".cache" / "mappa_graph"))
 
 
+@contextmanager
+def building(target: Path) -> Iterator[Path]:
+    """A scratch folder beside `target` that replaces it only when the block completes: a build killed halfway
+    leaves the cache as it was (never a half-written model that looks finished), and concurrent builds of the
+    same target never write into each other's folders."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}-build-", dir=target.parent))
+    try:
+        yield work
+        if target.exists():
+            shutil.rmtree(target)
+        work.rename(target)
+    finally:
+        if work.exists():
+            shutil.rmtree(work, ignore_errors=True)
+
+
 def build_tiny_model(cache_dir: str | Path | None = None, *, seed: int = 0, force: bool = False) -> Path:
     """Build (once) and return the folder of the tiny model and tokenizer. Deterministic for a given seed."""
     import torch
@@ -87,9 +106,7 @@ def build_tiny_model(cache_dir: str | Path | None = None, *, seed: int = 0, forc
     target = root / f"tiny-{TINY_VERSION}-seed{seed}"
     if (target / "mappa_tiny.json").exists() and not force:
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=root))
-    try:
+    with building(target) as work:
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
@@ -127,10 +144,4 @@ def build_tiny_model(cache_dir: str | Path | None = None, *, seed: int = 0, forc
             model.save_pretrained(work)
         n_params = sum(p.numel() for p in model.parameters())
         (work / "mappa_tiny.json").write_text(json.dumps({"version": TINY_VERSION, "seed": seed, "parameters": n_params}))
-        if target.exists():
-            shutil.rmtree(target)
-        work.rename(target)
-    finally:
-        if work.exists():
-            shutil.rmtree(work, ignore_errors=True)
     return target

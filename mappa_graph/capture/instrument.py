@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import os
 import queue
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
@@ -77,17 +78,17 @@ class _TraceWorker(Executor):
     """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None]
+        self._queue: queue.SimpleQueue[tuple[_Job, Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None]
         self._queue = queue.SimpleQueue()
-        self._jobs: list[Future[Any]] = []
+        self._jobs: list[_Job] = []
         self._jobs_lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
-        job: Future[Any] = Future()
+        job = _Job()
         with self._jobs_lock:
             self._jobs.append(job)
-            if self._thread is None or not self._thread.is_alive():  # first job, or a forked child's copy
+            if self._thread is None:  # the first job (a forked child's copy forgets its thread, see below)
                 self._thread = threading.Thread(target=_work, args=(self._queue,), name="mappa-trace", daemon=True)
                 self._thread.start()
                 weakref.finalize(self, self._queue.put, None)
@@ -115,19 +116,64 @@ class _TraceWorker(Executor):
                 thread.join()
 
 
+class _Job:
+    """One queued build, as `submit` returns it: `result()` and `exception()` as on a Future (all that flush()
+    and TraceCollector.wait() ask of it), without the Condition and RLock a Future builds, a dozen Python calls
+    on the graph's thread per run. A lock held until the job has run is all the waiting needs."""
+
+    __slots__ = ("_done", "_error", "_value")
+
+    def __init__(self) -> None:
+        self._done = threading.Lock()
+        self._done.acquire()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Called once, by the worker thread."""
+        try:
+            self._value = fn(*args, **kwargs)
+        except BaseException as error:  # noqa: BLE001 - handed to flush(), which re-raises it
+            self._error = error
+        finally:
+            self._done.release()
+
+    def done(self) -> bool:
+        return not self._done.locked()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self._done.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError(f"the trace writer did not finish this job within {timeout} s")
+        self._done.release()
+        return self._error
+
+    def result(self, timeout: float | None = None) -> Any:
+        error = self.exception(timeout)
+        if error is not None:
+            raise error
+        return self._value
+
+
 def _work(jobs: queue.SimpleQueue[Any]) -> None:
     """The worker thread: run jobs in order until a None."""
     while (item := jobs.get()) is not None:
         job, fn, args, kwargs = item
-        if job.set_running_or_notify_cancel():
-            try:
-                job.set_result(fn(*args, **kwargs))
-            except BaseException as error:  # noqa: BLE001 - handed to flush(), which re-raises it
-                job.set_exception(error)
+        job.run(fn, args, kwargs)
         del item, job, fn, args, kwargs  # drop the episode's events before waiting for the next job
 
 
 _WORKERS: weakref.WeakSet[_TraceWorker] = weakref.WeakSet()
+
+
+def _forget_threads_after_fork() -> None:
+    """A forked child has none of its parent's threads: each worker starts its own on its next job. A hook
+    rather than a `Thread.is_alive()` per submit, which cost the graph's thread two Python calls per run."""
+    for worker in list(_WORKERS):
+        worker._thread = None
+
+
+if hasattr(os, "register_at_fork"):  # POSIX; elsewhere there is no fork
+    os.register_at_fork(after_in_child=_forget_threads_after_fork)
 
 
 @atexit.register

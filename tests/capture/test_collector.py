@@ -59,6 +59,23 @@ def test_one_shared_collector_separates_episodes_by_root_run() -> None:
     graph = build_graph(delay_s=0.005).compile().with_config(callbacks=[collector])
     graph.batch([task_input(n) for n in range(20, 28)], config={"max_concurrency": 8})
     _assert_episodes_apart(collector.episodes, range(20, 28))
+    assert collector._runs == {}  # every ended episode's runs are forgotten: a long-lived collector does not grow
+
+
+def test_a_late_callback_after_its_episode_ended_is_dropped_not_a_new_episode() -> None:
+    from uuid import uuid4
+
+    from mappa_graph import TraceCollector
+
+    collector = TraceCollector()
+    graph = build_graph().compile().with_config(callbacks=[collector])
+    graph.invoke(task_input(3))
+    root = next(iter(collector.episodes))
+    assert collector._runs == {}
+    # an end for a run that is no longer open (its root ended) records nothing and opens no episode
+    collector.on_chain_end({}, run_id=uuid4())
+    collector.on_llm_end(None, run_id=uuid4())
+    assert collector._runs == {} and collector.episodes == [root]
 
 
 def test_unknown_node_in_agent_map_names_the_nodes() -> None:

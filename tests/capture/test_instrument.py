@@ -133,6 +133,38 @@ def test_the_writer_thread_ends_with_its_graph() -> None:
     assert not thread.is_alive()
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork (POSIX)")
+def test_a_forked_child_records_with_its_own_writer_thread() -> None:
+    """The parent's writer thread does not exist in a forked child: the child's first call must start one,
+    or its episodes would queue forever and flush() would never return."""
+    import os
+    import time
+
+    app = instrument(build_graph().compile())
+    app.invoke(task_input(1))
+    app.flush()  # the parent's writer thread is running now
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        try:
+            app.invoke(task_input(2))
+            app.flush()
+            os.write(write, f"{len(app.episodes)} {app.episodes[-1].actions[-1].output_text}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 60
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's flush() never returned: its episodes were never built")
+        time.sleep(0.01)
+    with os.fdopen(read) as answer:
+        assert answer.read() == "2 task-2 answer: 102"
+    assert len(app.episodes) == 1  # the parent is untouched by the child's call
+
+
 def test_episodes_still_queued_at_interpreter_exit_are_written(tmp_path) -> None:
     import subprocess
     import sys

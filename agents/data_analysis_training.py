@@ -30,7 +30,7 @@ from mappa_graph import Action, Episode, Task, VerifierJudge
 from mappa_graph.models.chat import to_hf_messages
 from mappa_graph.models.sft import SFTExample
 from tools.dabench import DABenchTask, check_answer, format_score
-from tools.dabench_templates import code_for, task_columns
+from tools.dabench_templates import code_for, count_condition, task_columns
 
 MAX_COLUMNS = 5
 # the coder's tool call is ~50 tokens of the tiny tokenizer; plans and answers are short
@@ -162,10 +162,8 @@ def warm_start_examples(tasks: list[DABenchTask], python_tool: Any, *, noise: fl
         plan = f"1. Use {' and '.join(plan_cols)}. 2. Compute the {kind}."
         examples.append(SFTExample(messages=to_hf_messages(planner_prompt(state)), reply=plan))
         state["plan"] = plan
-        threshold = None
-        if kind == "count":
-            threshold = float(task.question.rsplit(" ", 1)[1].rstrip("?"))
-        code = code_for(kind, cols, threshold) if rng.random() >= noise else f"print(df['{cols[0]}'].head())"
+        op, threshold = count_condition(task.question) if kind == "count" else (">", None)
+        code = code_for(kind, cols, threshold, op) if rng.random() >= noise else f"print(df['{cols[0]}'].head())"
         call = {"name": python_tool.name, "arguments": {"code": code}}
         examples.append(SFTExample(messages=to_hf_messages(coder_prompt(state)), tools=tool_schema,
                                    reply=f"<tool_call>{json.dumps(call)}</tool_call>"))

@@ -2,7 +2,7 @@
 
 A tiny CPU model cannot write pandas for real DABench questions, so the CPU default trains on these: the
 same tables, the same `@name[value]` answer format and rounding, three question shapes (a column mean, a
-filter-and-count, a correlation), each answerable by one short line of code.
+filter-and-count above or below a quantile, a correlation), each answerable by one short line of code.
 """
 
 from __future__ import annotations
@@ -39,13 +39,29 @@ def numeric_columns(table: Path, *, max_rows: int = 100_000) -> list[str]:
     return cols
 
 
-def code_for(kind: str, columns: list[str], threshold: float | None = None) -> str:
+_COUNT = re.compile(r"have \S+ (greater|less) than (-?[\d.]+)\?$")
+
+
+def count_condition(question: str) -> tuple[str, float]:
+    """The comparison (">" or "<") and threshold of a templated count question."""
+    match = _COUNT.search(question)
+    if match is None:
+        raise ValueError(f"not a templated count question: {question!r}")
+    return (">" if match.group(1) == "greater" else "<"), float(match.group(2))
+
+
+def code_for(kind: str, columns: list[str], threshold: float | None = None, op: str = ">") -> str:
     """The one line that answers a templated question (what the warm start teaches the coder)."""
     if kind == "mean":
         return f"print(round(df['{columns[0]}'].mean(), 2))"
     if kind == "count":
-        return f"print(int((df['{columns[0]}'] > {threshold:g}).sum()))"
+        return f"print(int((df['{columns[0]}'] {op} {threshold:g}).sum()))"
     return f"print(round(df['{columns[0]}'].corr(df['{columns[1]}']), 2))"
+
+
+# count thresholds: several quantiles and both directions, so a count question's threshold and answer are new
+# numbers the coder and analyst must copy, not a per-column constant a small model can memorise
+_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
 
 
 def templated_tasks(n: int, *, seed: int, tables: list[str] | None = None, start_id: int = 100_000,
@@ -86,11 +102,12 @@ def templated_tasks(n: int, *, seed: int, tables: list[str] | None = None, start
             fmt, field, shown = f"@mean_{a}[value] rounded to two decimals.", f"mean_{a}", f"{value:.2f}"
         else:
             a = rng.choice(cols)
-            threshold = float(df[a].median())
-            threshold = round(threshold, 2)
-            key = (name, kind, a, threshold)
-            value = int((df[a] > threshold).sum())
-            question = f"How many rows have {a} greater than {threshold:g}?"
+            threshold = round(float(df[a].quantile(rng.choice(_QUANTILES))), 2)
+            op = rng.choice([">", "<"])
+            key = (name, kind, a, op, threshold)
+            value = int((df[a] > threshold).sum() if op == ">" else (df[a] < threshold).sum())
+            word = "greater" if op == ">" else "less"
+            question = f"How many rows have {a} {word} than {threshold:g}?"
             fmt, field, shown = "@count[value] as an integer.", "count", str(value)
         if key in seen or pd.isna(value):
             continue

@@ -69,7 +69,7 @@ def warm_start(
     # disable=None: a live bar on a terminal only; a log (CI, `> file`) gets no carriage-return redraws
     for step in tqdm(range(steps), desc="warm start", disable=None if progress else True, leave=False):
         batch = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
-        loss = _reply_loss(model, batch, pad)
+        loss = _batch_loss(model, batch, pad)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -85,7 +85,24 @@ def warm_start(
     return target
 
 
-def _reply_loss(model, batch: list[tuple[list[int], list[int]]], pad: int):
+def _batch_loss(model, batch: list[tuple[list[int], list[int]]], pad: int, *, slack: float = 1.25):
+    """The batch's mean reply-token loss, computed over groups of rows of similar length: a padded batch is
+    as wide as its longest row, and agents' prompts differ (a coder's carries the tool schemas, three times a
+    planner's), so one padded forward pass would spend most of its work on padding. The rows stay the same
+    random draw and the loss is the same token-weighted mean, so training follows the same path, cheaper.
+    A group grows while its longest row is at most `slack` times its shortest."""
+    rows = sorted(batch, key=lambda row: len(row[0]) + len(row[1]))
+    groups: list[list[tuple[list[int], list[int]]]] = []
+    for row in rows:
+        if groups and len(row[0]) + len(row[1]) <= slack * (len(groups[-1][0][0]) + len(groups[-1][0][1])):
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    tokens = sum(len(r) for _, r in batch)
+    return sum(_reply_loss(model, group, pad, reduction="sum") for group in groups) / tokens
+
+
+def _reply_loss(model, batch: list[tuple[list[int], list[int]]], pad: int, *, reduction: str = "mean"):
     """Mean cross-entropy over the reply tokens only. Rows are left-padded so every reply ends at the last
     position, and the LM head runs over the last `tail` positions only (`logits_to_keep`): prompts are most of
     each sequence, and a small model's step is mostly the vocabulary projection over them."""
@@ -104,4 +121,4 @@ def _reply_loss(model, batch: list[tuple[list[int], list[int]]], pad: int):
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: positions count from each row's first token
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=tail).logits
     return torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-                                             labels.reshape(-1), ignore_index=-100)
+                                             labels.reshape(-1), ignore_index=-100, reduction=reduction)

@@ -29,3 +29,16 @@ def test_reply_loss_matches_full_logits_loss_on_rows_of_different_lengths():
     with torch.no_grad():
         ours, reference = _reply_loss(model, batch, pad), _full_loss(model, batch, pad)
     assert torch.allclose(ours, reference, atol=1e-5), (float(ours), float(reference))
+
+
+def test_batch_loss_over_length_groups_equals_the_one_padded_batch_loss():
+    from mappa_graph.models.sft import _batch_loss
+
+    model, tokenizer, _ = load_base_model("tiny")
+    model.eval()
+    pad = tokenizer.pad_token_id
+    # rows as three agents' prompts of very different lengths, in random order, replies of different lengths
+    batch = [([5 + i % 7] * (12, 40, 15)[i % 3], [11 + i % 4] * (1 + i % 5)) for i in range(9)]
+    with torch.no_grad():
+        grouped, reference = _batch_loss(model, batch, pad), _full_loss(model, batch, pad)
+    assert torch.allclose(grouped, reference, atol=1e-5), (float(grouped), float(reference))

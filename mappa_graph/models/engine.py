@@ -87,6 +87,7 @@ class _Batch:
         self.cache: Any = None
         self.mask: Any = None  # (B, L) 1 where the cache holds a real token of that row
         self.stop = frozenset(policies.stop_token_ids)
+        self.cache_kwarg = cache_kwarg(policies.model)
 
     @contextmanager
     def _route(self, rows: Sequence[_Row]) -> Iterator[dict[str, Any]]:
@@ -136,8 +137,8 @@ class _Batch:
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (N, P)
         cache = DynamicCache(config=policies.model.config)
         with self._route(rows) as route:
-            out = policies.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                                 use_cache=True, logits_to_keep=1, **route)
+            out = policies.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                 use_cache=True, logits_to_keep=1, **{self.cache_kwarg: cache}, **route)
         _pad_left(cache, mask, width)  # checks the cache is one the engine can batch
         for i, row in enumerate(rows):
             if row.request.do_sample:
@@ -174,7 +175,7 @@ class _Batch:
         self.mask = torch.cat([self.mask, torch.ones_like(ids)], dim=1)  # (B, L+1)
         with self._route(self.rows) as route:
             out = self.policies.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
-                                      cache=self.cache, use_cache=True, **route)
+                                      use_cache=True, **{self.cache_kwarg: self.cache}, **route)
         logits = out.logits[:, -1]  # (B, V)
         for i, row in enumerate(self.rows):
             row.length += 1
@@ -222,6 +223,21 @@ class _Batch:
             row.finished = row.done = True
         elif len(row.tokens) >= req.max_new_tokens:
             row.done = True
+
+
+def cache_kwarg(model: Any) -> str:
+    """The forward keyword that takes a KV cache: `cache` since transformers 5.2x, `past_key_values` before.
+    A model whose forward takes neither by name would silently drop the cache (every step then sees only its
+    last token), so that is an error."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = inspect.signature(base.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in names:
+            return name
+    raise TypeError(f"{type(base).__name__}.forward takes no KV cache (neither `cache` nor `past_key_values`): "
+                    "the rollout engine needs a causal LM with a KV cache")
 
 
 def _pad_left(cache: Any, mask: torch.Tensor, width: int) -> Any:

@@ -218,6 +218,11 @@ class Trainer:
             self.failed_rollouts += 1
             log.warning("rollout of task %r (%s) failed at iteration %d: %s; dropped from this update",
                         job.task_id, job.metadata["mappa_episode_metadata"], iteration, result.error)
+        if jobs and not episodes:  # a broken model or tool, not bad luck: stop before training on nothing
+            first = next(r.error for r in results if r.error is not None)
+            raise RuntimeError(f"all {len(jobs)} rollouts of iteration {iteration} failed, first with {first}; "
+                               "their partial episodes and errors are in the trace store (see the warnings "
+                               "above); fix the cause and rerun with --resume")
         if self.outcome is not None:
             for episode in episodes:
                 episode.outcome = self.outcome(episode)

@@ -4,6 +4,7 @@ joining and leaving at different steps, record the log-probs the training pass r
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 import time
 
@@ -139,3 +140,24 @@ def test_a_call_made_while_holding_the_policies_lock_does_not_wait_on_the_engine
     finally:
         policies.stop_engine()
     assert len(engine_result) == 1
+
+
+def test_the_cache_goes_in_under_the_name_the_installed_transformers_takes(policies) -> None:
+    # transformers renamed forward(past_key_values=) to forward(cache=); under the other name the cache is
+    # dropped silently and every decoding step sees only its last token, so the name comes from the signature
+    from mappa_graph.models.engine import cache_kwarg
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None): ...
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, use_cache=None): ...
+
+    class NoCache(torch.nn.Module):
+        def forward(self, input_ids=None): ...
+
+    assert cache_kwarg(Old()) == "past_key_values" and cache_kwarg(New()) == "cache"
+    with pytest.raises(TypeError, match="takes no KV cache"):
+        cache_kwarg(NoCache())
+    base = policies.model.get_base_model()
+    assert cache_kwarg(policies.model) in inspect.signature(base.forward).parameters

@@ -167,6 +167,22 @@ def test_a_failing_rollout_is_counted_and_dropped_not_fatal(tmp_path, caplog) ->
     assert len(stored) == 8 and sum(1 for e in stored if e.error) == 1  # the failed one is kept, with its error
 
 
+def test_an_iteration_whose_every_rollout_fails_stops_the_run_with_the_first_error(tmp_path) -> None:
+    # a broken model or tool fails every episode: training on nothing for hours, with one warning line per
+    # rollout, is the wrong answer; the episodes (with their errors) are still stored
+    trainer = arithmetic.build_trainer(_config(tmp_path, tasks_per_iteration=4, rollout_concurrency=2), _policies())
+
+    def broken(*args, **kwargs):
+        raise TypeError("pad(): argument 'input' must be Tensor, not NoneType")
+
+    trainer.policies.generate = broken
+    with pytest.raises(RuntimeError, match=r"all 8 rollouts of iteration 1 failed.*pad\(\)"):
+        trainer.step()
+    trainer.graph.flush()
+    stored = trainer.store.episodes(run="t")
+    assert len(stored) == 8 and all(e.error for e in stored)
+
+
 def test_a_factory_hook_gets_each_adapter_version_before_the_rollouts_that_use_it(tmp_path) -> None:
     from mappa_graph.training.ray_rollouts import adapter_checksum
     from mappa_graph.training.trainer import Trainer

@@ -146,12 +146,12 @@ class _Batch:
             row.length = len(row.request.prompt_ids)
             self._pick(row, out.logits[i, -1])
         going = [i for i, r in enumerate(rows) if not r.done]
+        if not going:  # every row stopped at its first token (and an empty index would be a float tensor)
+            return
         if len(going) < len(rows):
-            index = torch.tensor(going, device=device)
+            index = torch.tensor(going, dtype=torch.long, device=device)
             cache.batch_select_indices(index)
             mask = mask[index]
-        if not going:
-            return
         if self.cache is None:
             self.cache, self.mask, self.rows = cache, mask, [rows[i] for i in going]
             return
@@ -193,7 +193,7 @@ class _Batch:
         if not keep:
             self.cache = self.mask = None
             return done
-        index = torch.tensor(keep, device=self.mask.device)
+        index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
         self.cache.batch_select_indices(index)
         self.mask = self.mask[index]
         unused = int((self.mask.sum(dim=0) == 0).long().cumprod(dim=0).sum())  # leading all-padding columns

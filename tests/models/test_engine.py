@@ -161,3 +161,19 @@ def test_the_cache_goes_in_under_the_name_the_installed_transformers_takes(polic
         cache_kwarg(NoCache())
     base = policies.model.get_base_model()
     assert cache_kwarg(policies.model) in inspect.signature(base.forward).parameters
+
+
+def test_rows_that_all_finish_at_their_first_token_leave_no_batch_behind(policies) -> None:
+    # a join where every row stops at once (max_new_tokens=1, or a stop token first) drops them all; an empty
+    # index tensor is float and used to fail the whole rollout with "tensors used as indices must be long"
+    from mappa_graph.models.engine import decode
+
+    prompt = policies.render([{"role": "user", "content": "mean of fare?"}])
+    requests = [SampleRequest(adapter=a, prompt_ids=prompt, max_new_tokens=1, seed=i) for i, a in enumerate(AGENTS)]
+    out = decode(policies, requests)
+    assert [len(g.output_token_ids) for g in out] == [1] * len(AGENTS)
+    engine = policies.start_engine(max_batch=8)
+    assert len(engine.sample(SampleRequest(adapter=AGENTS[0], prompt_ids=prompt, max_new_tokens=1, seed=0))
+               .output_token_ids) == 1
+    assert len(engine.sample(SampleRequest(adapter=AGENTS[1], prompt_ids=prompt, max_new_tokens=3, seed=1))
+               .output_token_ids) <= 3  # and the engine goes on afterwards

@@ -161,6 +161,6 @@ def build_trainer(config: TrainConfig, policies: AgentPolicies | None = None, **
     """The whole recipe: team graph on the policies, process judge, outcome, train and held-out tasks."""
     policies = policies or warm_policies()
     train, held_out = train_and_eval_tasks()
-    graph = partial(team_graph, max_new_tokens=config.max_new_tokens, temperature=config.temperature)
+    graph = partial(team_graph, max_new_tokens=config.max_new_tokens)  # config.temperature: the trainer applies it
     return Trainer(graph, policies, process_judge(), train, config, outcome=outcome, eval_tasks=held_out,
                    **trainer_kwargs)

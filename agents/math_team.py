@@ -203,8 +203,7 @@ def build_trainer(
     synthetic arithmetic set, train and held out)."""
     policies = policies or math_policies()
     train, held_out = train_and_eval_problems()
-    models = {a: policies.chat_model(a, max_new_tokens=config.max_new_tokens, temperature=config.temperature)
-              for a in AGENTS}
+    models = {a: policies.chat_model(a, max_new_tokens=config.max_new_tokens) for a in AGENTS}
     graph = build_math_graph(models, max_retries=max_retries).compile()
     return Trainer(graph, policies, process_judge(), list(train_tasks or [to_task(p) for p in train]), config,
                    outcome=outcome, eval_tasks=list(eval_tasks or [to_task(p) for p in held_out]), **trainer_kwargs)

@@ -119,7 +119,7 @@ def make_trainer(mode: str, warm: Path, train: list[Task], held_out: list[Task],
         seed=args.seed, lr=args.lr, ppo_epochs=1, max_new_tokens=args.max_new_tokens, temperature=1.0,
         kl_coef=args.kl_coef, reward=RewardConfig(mode=mode), checkpoint_every=10_000, keep_checkpoints=1,
     )
-    graph = partial(arithmetic.team_graph, max_new_tokens=config.max_new_tokens, temperature=config.temperature)
+    graph = partial(arithmetic.team_graph, max_new_tokens=config.max_new_tokens)
     return Trainer(graph, policies, arithmetic.process_judge(), train, config, outcome=arithmetic.outcome,
                    eval_tasks=held_out)
 

@@ -122,12 +122,12 @@ class PolicyChatModel(BaseChatModel):
         self, messages: list[BaseMessage], run_manager: Any, kwargs: dict[str, Any]
     ) -> tuple[list[int], dict[str, Any]]:
         """The prompt ids and how to sample them: the model's settings, overridden per call by kwargs, with the
-        trainer's greedy flag and the call's seed from the run metadata."""
+        trainer's greedy flag, temperature and the call's seed from the run metadata (the trainer's win)."""
         prompt_ids = self.policies.render(to_hf_messages(messages), tools=kwargs.get("tools"))
         meta = (run_manager.metadata if run_manager is not None else None) or {}
         sampling = {
             "max_new_tokens": int(kwargs.get("max_new_tokens", self.max_new_tokens)),
-            "temperature": float(kwargs.get("temperature", self.temperature)),
+            "temperature": float(meta.get("mappa_temperature") or kwargs.get("temperature", self.temperature)),
             "do_sample": bool(kwargs.get("do_sample", self.do_sample)) and not meta.get("mappa_greedy", False),
             "seed": call_seed(meta, self.agent, prompt_ids),
         }

@@ -257,7 +257,8 @@ class PolicyEndpoint:
             self._check_key(request)
             body = await request.json()
             call = PendingCall(run_id=uuid.UUID(str(body["run_id"])), agent=body.get("agent"), node=body.get("node"),
-                               key=str(body["key"]), seed=body.get("seed"), greedy=bool(body.get("greedy")))
+                               key=str(body["key"]), seed=body.get("seed"), greedy=bool(body.get("greedy")),
+                               temperature=None if body.get("temperature") is None else float(body["temperature"]))
         except RouteError as error:
             return self._refuse(error)
         except (ValueError, KeyError, TypeError) as exc:
@@ -343,6 +344,8 @@ class PolicyEndpoint:
             raise RouteError(400, f"cannot render the messages with the model's chat template: {exc}",
                              code="invalid_messages", param="messages") from None
         greedy = settings["greedy"] or (call is not None and call.greedy)
+        if call is not None and call.temperature is not None:  # the trainer's sampling temperature wins
+            settings["temperature"] = call.temperature
         seed = settings["seed"] if settings["seed"] is not None else (call.seed if call is not None else None)
         adapter = policies.adapter_of[agent]
         gen = policies.sample(adapter, prompt_ids, max_new_tokens=settings["max_tokens"],
@@ -390,6 +393,8 @@ class PolicyEndpoint:
             raise RouteError(404, f"agent {agent!r} has no adapter on the upstream server: {exc}",
                              code="model_not_found", param="model") from None
         greedy = settings["greedy"] or (call is not None and call.greedy)
+        if call is not None and call.temperature is not None:  # the trainer's sampling temperature wins
+            settings["temperature"] = call.temperature
         body = {k: v for k, v in payload.items() if k not in ("stream", "stream_options")}
         body.update(model=adapter, logprobs=True, return_token_ids=True, temperature=0.0 if greedy else settings["temperature"],
                     top_p=payload.get("top_p", 1.0), top_k=-1, max_tokens=settings["max_tokens"])

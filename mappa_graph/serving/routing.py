@@ -115,6 +115,7 @@ class PendingCall:
     key: str
     seed: int | None = None  # from the rollout's mappa_seed, as PolicyChatModel derives it
     greedy: bool = False  # the trainer's greedy evaluation flag
+    temperature: float | None = None  # the trainer's sampling temperature (None: the request's own)
     claims: int = 0
     registered_at: float = 0.0  # the registry's clock when registered: a call older than stale_after expires
 
@@ -355,7 +356,8 @@ class CallRouter(BaseCallbackHandler):
         agent = self.agent_of(meta)
         self.registry.register(PendingCall(
             run_id=run_id, agent=agent, node=first_node(meta), key=call_key(prompt, tool_names(params.get("tools"))),
-            seed=call_seed(meta, agent or "", prompt), greedy=bool(meta.get("mappa_greedy"))))
+            seed=call_seed(meta, agent or "", prompt), greedy=bool(meta.get("mappa_greedy")),
+            temperature=meta.get("mappa_temperature")))
         with self._lock:
             root = self._root_of.get(parent_run_id) if parent_run_id else None
             if root is not None:
@@ -412,7 +414,8 @@ class RemoteCallRegistry:
 
     def register(self, call: PendingCall) -> None:
         self._post("/mappa/calls", {"run_id": str(call.run_id), "agent": call.agent, "node": call.node,
-                                    "key": call.key, "seed": call.seed, "greedy": call.greedy})
+                                    "key": call.key, "seed": call.seed, "greedy": call.greedy,
+                                    "temperature": call.temperature})
 
     def finish(self, run_id: UUID, completion_ids: Sequence[str | None]) -> list[dict[str, Any] | None]:
         return self._post(f"/mappa/calls/{run_id}/finish", {"completion_ids": list(completion_ids)})["records"]

@@ -57,7 +57,10 @@ class TrainConfig(BaseModel):
     max_grad_norm: float | None = Field(1.0, description="gradient clipping per adapter; None disables")
     micro_batch_size: int = Field(16, ge=1, description="samples per forward; gradients accumulate across")
     max_new_tokens: int = Field(32, ge=1, description="generation cap per model call during rollouts")
-    temperature: float = Field(1.0, gt=0, description="sampling temperature during rollouts")
+    temperature: float | None = Field(
+        None, gt=0, description="sampling temperature of every sampled model call in rollouts and sampled evaluations "
+        "(local, vLLM and endpoint-served models alike; greedy evaluation still decodes greedily); None: each chat "
+        "model's own temperature (1.0 unless set)")
     frozen_agents: list[str] = Field(default_factory=list, description="agents whose adapters never update")
     checkpoint_every: int = Field(1, ge=1, description="iterations between checkpoints")
     keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept on disk")

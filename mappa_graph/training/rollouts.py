@@ -48,12 +48,17 @@ def run_job(graph: InstrumentedGraph, job: RolloutJob) -> RolloutResult:
     return RolloutResult(episode=episode)
 
 
-def rollout_metadata(seed: int, iteration: int, task_id: str, g: int, greedy: bool = False) -> dict[str, Any]:
-    """What a rollout's config carries: the seed every sampling call derives from, and where it sits in the run."""
+def rollout_metadata(seed: int, iteration: int, task_id: str, g: int, greedy: bool = False,
+                     temperature: float | None = None) -> dict[str, Any]:
+    """What a rollout's config carries: the seed every sampling call derives from, where it sits in the run,
+    and how the trainer wants it sampled (greedy, or at `temperature`), which the chat models and the endpoint
+    read from the run metadata because the app, not the trainer, constructs them."""
     meta: dict[str, Any] = {"mappa_seed": f"{seed}:{iteration}:{task_id}:{g}",
                             "mappa_episode_metadata": {"iteration": iteration, "rollout": g}}
     if greedy:
         meta["mappa_greedy"] = True
+    if temperature is not None:
+        meta["mappa_temperature"] = float(temperature)
     return meta
 
 

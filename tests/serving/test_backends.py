@@ -365,3 +365,22 @@ def test_every_request_sets_the_temperature_and_the_action_records_it(policies, 
     assert torch.allclose(recomputed.detach(), torch.tensor(rec["output_logprobs"]), atol=1e-5)
     greedy = backend.chat_model("calculator", greedy=True, max_new_tokens=4).invoke(PROMPT)
     assert server.paths("/v1/chat/completions")[-1]["temperature"] == greedy.response_metadata["mappa"]["temperature"] == 0.0
+
+
+def test_the_trainers_temperature_from_the_run_metadata_wins_over_the_models_own(policies, server, backend) -> None:
+    # TrainConfig.temperature reaches models the app constructed (at 1.0 here) through the rollout's metadata
+    from mappa_graph.training.rollouts import rollout_metadata
+
+    backend.sync(policies, 0)
+    config = {"metadata": rollout_metadata(0, 1, "t", 0, temperature=0.6)}
+    for model in (backend.chat_model("calculator", temperature=1.0, max_new_tokens=6),
+                  policies.chat_model("calculator", temperature=1.0, max_new_tokens=6)):
+        rec = model.invoke(PROMPT, config=config).response_metadata["mappa"]
+        assert rec["temperature"] == 0.6
+        recomputed = policies.token_logprobs("calculator", [rec["prompt_token_ids"]], [rec["output_token_ids"]],
+                                             temperature=0.6)[0]
+        assert torch.allclose(recomputed.detach(), torch.tensor(rec["output_logprobs"]), atol=1e-4)
+    assert server.paths("/v1/chat/completions")[-1]["temperature"] == 0.6
+    greedy = {"metadata": rollout_metadata(0, 1, "t", 0, greedy=True, temperature=0.6)}  # greedy still wins
+    assert backend.chat_model("calculator", max_new_tokens=4).invoke(PROMPT, config=greedy) \
+        .response_metadata["mappa"]["temperature"] == 0.0

@@ -201,3 +201,20 @@ def test_two_requests_matched_to_one_call_both_keep_their_records():
     assert registry.finish(b.run_id, ["chatcmpl-1"]) == [{"n": 1}]
     assert registry.finish(a.run_id, ["chatcmpl-2"]) == [{"n": 2}]
     assert registry.counts() == EMPTY
+
+
+def test_the_trainers_temperature_reaches_an_apps_own_client_through_the_pending_call(endpoint, policies):
+    # the app's ChatOpenAI asks for 1.0; a training rollout's metadata says 0.6: the endpoint samples at 0.6 and
+    # the action records 0.6, so the loss divides by the temperature the tokens were drawn at
+    from mappa_graph import instrument
+    from mappa_graph.training.rollouts import rollout_metadata
+
+    app = instrument(one_node_app(endpoint, "researcher", temperature=1.0))
+    app.invoke({"messages": [HumanMessage("find the mean fare")]},
+               config={"metadata": rollout_metadata(0, 1, "t", 0, temperature=0.6)})
+    app.flush()
+    (action,) = [a for a in app.episodes[-1].actions if a.kind == "llm"]
+    assert action.temperature == 0.6 and action.output_token_ids
+    recomputed = policies.token_logprobs("researcher", [action.prompt_token_ids], [action.output_token_ids],
+                                         temperature=0.6)[0]
+    assert torch.allclose(recomputed.detach(), torch.tensor(action.output_logprobs), atol=1e-4)

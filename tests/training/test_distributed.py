@@ -144,8 +144,9 @@ def test_sharded_rollouts_with_one_ranks_judge_failing_match_one_process_on_the_
     samples, _ = single.credit(episodes, rewards, 1)
     single.update(samples)
     want = _adapters(single)
-    for name in want:
-        assert torch.allclose(ranks[0][name], want[name], atol=1e-6), (name, float((ranks[0][name] - want[name]).abs().max()))
+    for name in want:  # an Adam step moves each weight ~lr (1e-4); an all-reduced sum in another order moves
+        # the few whose gradient is near Adam's eps by ~1e-6 (seen: 1.5e-6); a wrong shard is off by ~lr
+        assert torch.allclose(ranks[0][name], want[name], atol=1e-5), (name, float((ranks[0][name] - want[name]).abs().max()))
 
 
 def _rank_step(out_path: str) -> None:

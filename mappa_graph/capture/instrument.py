@@ -167,9 +167,14 @@ _WORKERS: weakref.WeakSet[_TraceWorker] = weakref.WeakSet()
 
 def _forget_threads_after_fork() -> None:
     """A forked child has none of its parent's threads: each worker starts its own on its next job. A hook
-    rather than a `Thread.is_alive()` per submit, which cost the graph's thread two Python calls per run."""
+    rather than a `Thread.is_alive()` per submit, which cost the graph's thread two Python calls per run.
+    The parent's queued and running builds stay the parent's (the child would write them twice, and wait
+    forever on the one that was running), and its lock may have been held by a thread the child lacks."""
     for worker in list(_WORKERS):
         worker._thread = None
+        worker._queue = queue.SimpleQueue()
+        worker._jobs = []
+        worker._jobs_lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):  # POSIX; elsewhere there is no fork

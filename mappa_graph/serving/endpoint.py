@@ -258,7 +258,7 @@ class PolicyEndpoint:
             body = await request.json()
             call = PendingCall(run_id=uuid.UUID(str(body["run_id"])), agent=body.get("agent"), node=body.get("node"),
                                key=str(body["key"]), seed=body.get("seed"), greedy=bool(body.get("greedy")),
-                               temperature=None if body.get("temperature") is None else float(body["temperature"]))
+                               temperature=_call_temperature(body.get("temperature")))
         except RouteError as error:
             return self._refuse(error)
         except (ValueError, KeyError, TypeError) as exc:
@@ -525,3 +525,13 @@ def _sampling(payload: Mapping[str, Any], default_max_tokens: int) -> dict[str, 
             raise bad(key, "must be a list")
     return {"max_tokens": max_tokens, "temperature": float(temperature), "greedy": temperature == 0,
             "top_logprobs": top_logprobs, "logprobs": bool(payload.get("logprobs")), "seed": seed, "stop": stop}
+
+
+def _call_temperature(value: Any) -> float | None:
+    """A registered call's sampling temperature (the trainer's), held to what requests may ask for, but > 0:
+    a greedy call registers greedy=true instead."""
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 2:
+        raise ValueError(f"temperature must be a number in (0, 2], got {value!r}")
+    return float(value)

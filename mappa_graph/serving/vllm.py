@@ -443,8 +443,8 @@ class VLLMChatModel(ChatOpenAI):
         meta = (run_manager.metadata if run_manager is not None else None) or {}
         if meta.get("mappa_greedy"):
             kwargs["temperature"] = 0.0
-        elif meta.get("mappa_temperature"):  # the trainer's sampling temperature
-            kwargs["temperature"] = float(meta["mappa_temperature"])
+        elif meta.get("mappa_temperature") and kwargs.get("temperature", self.temperature) != 0:
+            kwargs["temperature"] = float(meta["mappa_temperature"])  # the trainer's, for a sampled call
         # Explicit in every request: vLLM would otherwise take the model's generation_config default, and
         # the action must record the temperature its log-probs are under (the loss divides by it).
         if kwargs.get("temperature") is None:

@@ -101,6 +101,8 @@ class Trainer:
             self.eval_graph = instrument(self.graph.graph, store=self.store, run=self.eval_run,
                                          agents=self.graph.agents)
         self.synced_version = -1  # the adapter version rollouts last got (Ray workers, or on_version)
+        self.failed_rollouts = 0  # of the last rollout() call, and its first error (this rank's)
+        self.first_rollout_error: str | None = None
         self.policies, self.judge, self.tasks = policies, judge, list(tasks)
         self.eval_tasks = list(eval_tasks or [])
         if self.eval_tasks and outcome is None:
@@ -152,6 +154,13 @@ class Trainer:
         episodes = self.rollout(tasks, iteration)  # under torchrun: this rank's shard of the rollouts
         rewards = self.score(episodes)  # judged where they ran
         episodes, rewards = self.gather(episodes, rewards)  # the global batch, on every rank
+        launched = len(tasks) * self.config.rollouts_per_task
+        if not episodes and launched >= 4:  # a broken model or tool, not bad luck: stop, on every rank alike
+            raise RuntimeError(
+                f"all {launched} rollouts of iteration {iteration} failed, "
+                f"{'first with ' + self.first_rollout_error if self.first_rollout_error else 'on other ranks'}; "
+                "nothing to train on. Their partial episodes and errors are in the trace store (and the warnings "
+                f"above); fix the cause and rerun with --resume (it starts again at iteration {iteration})")
         samples, credit = self.credit(episodes, rewards, iteration)
         update = self.update(samples)
         self.iteration = iteration
@@ -209,6 +218,7 @@ class Trainer:
                         bar.update(1)
         episodes: list[Episode] = []
         self.failed_rollouts = 0
+        self.first_rollout_error = None
         self.job_position: dict[str, int] = {}
         for job, position, result in zip(jobs, positions, results):
             if result.error is None and result.episode is not None:
@@ -219,11 +229,8 @@ class Trainer:
             self.failed_rollouts += 1
             log.warning("rollout of task %r (%s) failed at iteration %d: %s; dropped from this update",
                         job.task_id, job.metadata["mappa_episode_metadata"], iteration, result.error)
-        if jobs and not episodes:  # a broken model or tool, not bad luck: stop before training on nothing
-            first = next(r.error for r in results if r.error is not None)
-            raise RuntimeError(f"all {len(jobs)} rollouts of iteration {iteration} failed, first with {first}; "
-                               "their partial episodes and errors are in the trace store (see the warnings "
-                               "above); fix the cause and rerun with --resume")
+            if self.first_rollout_error is None:
+                self.first_rollout_error = result.error
         if self.outcome is not None:
             for episode in episodes:
                 episode.outcome = self.outcome(episode)

@@ -165,6 +165,45 @@ def test_a_forked_child_records_with_its_own_writer_thread() -> None:
     assert len(app.episodes) == 1  # the parent is untouched by the child's call
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork (POSIX)")
+def test_a_child_forked_while_builds_are_in_flight_neither_redoes_nor_waits_for_them() -> None:
+    """The parent's running and queued builds are the parent's: a child that inherited them would build the
+    queued one again (a duplicate episode) and wait forever on the running one in flush()."""
+    import os
+    import threading
+    import time
+
+    app = instrument(build_graph().compile())
+    app.invoke(task_input(1))
+    app.flush()
+    release, ran = threading.Event(), []
+    app._worker.submit(release.wait)  # running in the parent's writer thread when the fork happens
+    app._worker.submit(ran.append, "queued")  # queued behind it
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            app.invoke(task_input(2))
+            app.flush()
+            os.write(write, f"{len(app.episodes)} {ran}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 60
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            release.set()
+            pytest.fail("the forked child's flush() waited on a build of its parent")
+        time.sleep(0.01)
+    with os.fdopen(read) as answer:
+        assert answer.read() == "2 []"  # its own episode built, the parent's queued build not redone
+    release.set()
+    app.flush()
+    assert ran == ["queued"] and len(app.episodes) == 1
+
+
 def test_episodes_still_queued_at_interpreter_exit_are_written(tmp_path) -> None:
     import subprocess
     import sys

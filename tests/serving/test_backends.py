@@ -384,3 +384,6 @@ def test_the_trainers_temperature_from_the_run_metadata_wins_over_the_models_own
     greedy = {"metadata": rollout_metadata(0, 1, "t", 0, greedy=True, temperature=0.6)}  # greedy still wins
     assert backend.chat_model("calculator", max_new_tokens=4).invoke(PROMPT, config=greedy) \
         .response_metadata["mappa"]["temperature"] == 0.0
+    for model in (backend.chat_model("calculator", greedy=True, max_new_tokens=4),  # a greedy model stays greedy
+                  policies.chat_model("calculator", do_sample=False, max_new_tokens=4)):
+        assert model.invoke(PROMPT, config=config).response_metadata["mappa"]["temperature"] == 0.0

@@ -218,3 +218,17 @@ def test_the_trainers_temperature_reaches_an_apps_own_client_through_the_pending
     recomputed = policies.token_logprobs("researcher", [action.prompt_token_ids], [action.output_token_ids],
                                          temperature=0.6)[0]
     assert torch.allclose(recomputed.detach(), torch.tensor(action.output_logprobs), atol=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [0, -1, 2.5, "NaN", "hot", True])
+def test_a_registered_call_with_an_impossible_temperature_is_refused(endpoint, temperature):
+    import json
+
+    import httpx
+
+    body = {"run_id": str(uuid.uuid4()), "agent": "researcher", "node": "researcher", "key": "k",
+            "temperature": temperature}
+    content = json.dumps(body).replace('"NaN"', "NaN")  # a NaN as Python's json writes it
+    reply = httpx.post(f"{endpoint.base_url}/mappa/calls", content=content,
+                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert reply.status_code == 400 and "temperature" in reply.text

@@ -181,6 +181,7 @@ def test_an_iteration_whose_every_rollout_fails_stops_the_run_with_the_first_err
     trainer.graph.flush()
     stored = trainer.store.episodes(run="t")
     assert len(stored) == 8 and all(e.error for e in stored)
+    assert trainer.evaluate(trainer.eval_tasks[:2]) == 0.0  # an evaluation reports, it does not end the run
 
 
 def test_a_factory_hook_gets_each_adapter_version_before_the_rollouts_that_use_it(tmp_path) -> None:

@@ -137,19 +137,26 @@ def test_the_writer_thread_ends_with_its_graph() -> None:
 def test_a_forked_child_records_with_its_own_writer_thread() -> None:
     """The parent's writer thread does not exist in a forked child: the child's first call must start one,
     or its episodes would queue forever and flush() would never return."""
-    import os
-    import time
-
     app = instrument(build_graph().compile())
     app.invoke(task_input(1))
     app.flush()  # the parent's writer thread is running now
+    answer = _in_forked_child(lambda: f"{len(app.episodes)} {app.episodes[-1].actions[-1].output_text}", app)
+    assert answer == "2 task-2 answer: 102", "the forked child's flush() never returned: its episodes were never built"
+    assert len(app.episodes) == 1  # the parent is untouched by the child's call
+
+
+def _in_forked_child(report, app) -> str | None:
+    """Fork; the child runs one more call, flushes, and sends back report(); None if it hangs for 60 s."""
+    import os
+    import time
+
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never return into pytest
         try:
             app.invoke(task_input(2))
             app.flush()
-            os.write(write, f"{len(app.episodes)} {app.episodes[-1].actions[-1].output_text}".encode())
+            os.write(write, report().encode())
         finally:
             os._exit(0)
     os.close(write)
@@ -158,20 +165,18 @@ def test_a_forked_child_records_with_its_own_writer_thread() -> None:
         if time.monotonic() > deadline:
             os.kill(pid, 9)
             os.waitpid(pid, 0)
-            pytest.fail("the forked child's flush() never returned: its episodes were never built")
+            os.close(read)
+            return None
         time.sleep(0.01)
     with os.fdopen(read) as answer:
-        assert answer.read() == "2 task-2 answer: 102"
-    assert len(app.episodes) == 1  # the parent is untouched by the child's call
+        return answer.read()
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork (POSIX)")
 def test_a_child_forked_while_builds_are_in_flight_neither_redoes_nor_waits_for_them() -> None:
     """The parent's running and queued builds are the parent's: a child that inherited them would build the
     queued one again (a duplicate episode) and wait forever on the running one in flush()."""
-    import os
     import threading
-    import time
 
     app = instrument(build_graph().compile())
     app.invoke(task_input(1))
@@ -179,27 +184,10 @@ def test_a_child_forked_while_builds_are_in_flight_neither_redoes_nor_waits_for_
     release, ran = threading.Event(), []
     app._worker.submit(release.wait)  # running in the parent's writer thread when the fork happens
     app._worker.submit(ran.append, "queued")  # queued behind it
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            app.invoke(task_input(2))
-            app.flush()
-            os.write(write, f"{len(app.episodes)} {ran}".encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    deadline = time.monotonic() + 60
-    while os.waitpid(pid, os.WNOHANG) == (0, 0):
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            release.set()
-            pytest.fail("the forked child's flush() waited on a build of its parent")
-        time.sleep(0.01)
-    with os.fdopen(read) as answer:
-        assert answer.read() == "2 []"  # its own episode built, the parent's queued build not redone
+    answer = _in_forked_child(lambda: f"{len(app.episodes)} {ran}", app)
     release.set()
+    assert answer is not None, "the forked child's flush() waited on a build of its parent"
+    assert answer == "2 []"  # its own episode built, the parent's queued build not redone
     app.flush()
     assert ran == ["queued"] and len(app.episodes) == 1
 

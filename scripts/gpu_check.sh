@@ -3,6 +3,7 @@
 # device, with every figure written to one JSON file.
 #
 #   scripts/gpu_check.sh [--device cuda|cpu] [--model smollm2-135m|tiny] [--out FILE] [--stage]
+#                        [--only engine|learning] [--repeats N]
 #
 # --device cuda (default): sized to finish in under 8 minutes on one GPU. --device cpu: the same steps with
 # smaller settings (a few minutes with --model tiny; the test tests/benchmarks/test_gpu_check.py runs that).
@@ -29,6 +30,8 @@ cd "$(dirname "$0")/.."
 
 DEVICE=cuda
 STAGE=0
+ONLY=""
+REPEATS=""
 MODEL=smollm2-135m
 FILE=""
 while [ $# -gt 0 ]; do
@@ -37,11 +40,14 @@ while [ $# -gt 0 ]; do
         --model) MODEL=$2; shift 2 ;;
         --out) FILE=$2; shift 2 ;;
         --stage) STAGE=1; shift ;;
+        --only) ONLY=$2; shift 2 ;;
+        --repeats) REPEATS=$2; shift 2 ;;
         -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
-        *) echo "gpu_check.sh: unknown argument $1 (use --device cuda|cpu, --model NAME, --out FILE, --stage)" >&2; exit 2 ;;
+        *) echo "gpu_check.sh: unknown argument $1 (use --device cuda|cpu, --model NAME, --out FILE, --stage, --only engine|learning, --repeats N)" >&2; exit 2 ;;
     esac
 done
 case "$DEVICE" in cuda|cpu) ;; *) echo "gpu_check.sh: --device must be cuda or cpu, got $DEVICE" >&2; exit 2 ;; esac
+case "$ONLY" in ""|engine|learning) ;; *) echo "gpu_check.sh: --only must be engine or learning, got $ONLY" >&2; exit 2 ;; esac
 if [ -z "$FILE" ]; then
     FILE=${OUT:+$OUT/gpu_check.json}
     FILE=${FILE:-runs/gpu_check/gpu_check.json}
@@ -89,23 +95,30 @@ else  # the same steps, small enough for a few minutes on one CPU thread
     ENGINE_ARGS=(--concurrency 4 --max-new-tokens 4 --repeats 1 --tables 1 2)
     LEARN_ARGS=(--quick)
 fi
+[ -n "$REPEATS" ] && ENGINE_ARGS+=(--repeats "$REPEATS")  # the last --repeats wins
 
 # CPU threads: all of a GPU machine's cores (the warm start runs on the CPU); one where CPUs are shared
 THREADS=${THREADS:-$(if [ "$DEVICE" = cuda ]; then nproc; else echo 1; fi)}
 started=$(date +%s)
-echo "gpu_check: rollout engine benchmark on $DEVICE ($MODEL)" >&2
-"$PY" benchmarks/rollout_engine.py --model "$MODEL" --device "$DEVICE" --threads "$THREADS" \
-    "${ENGINE_ARGS[@]}" 2>&1 | tee "$DIR/rollout_engine.log"
+rm -f "$DIR/rollout_engine.log" "$DIR/real_model_learning.log"  # figures of this call only
+if [ "$ONLY" != learning ]; then
+    echo "gpu_check: rollout engine benchmark on $DEVICE ($MODEL)" >&2
+    "$PY" benchmarks/rollout_engine.py --model "$MODEL" --device "$DEVICE" --threads "$THREADS" \
+        "${ENGINE_ARGS[@]}" 2>&1 | tee "$DIR/rollout_engine.log"
+fi
 engine_s=$(( $(date +%s) - started ))
-echo "gpu_check: real-model learning run on $DEVICE ($MODEL)" >&2
-"$PY" benchmarks/real_model_learning.py --model "$MODEL" --device "$DEVICE" --threads "$THREADS" \
-    --out "$WORK/learning" "${LEARN_ARGS[@]}" 2>&1 | grep -v -E '^\s*$' | tee "$DIR/real_model_learning.log"
-cp "$WORK/learning/real_model_learning.png" "$DIR/" 2>/dev/null || true
+if [ "$ONLY" != engine ]; then
+    echo "gpu_check: real-model learning run on $DEVICE ($MODEL)" >&2
+    "$PY" benchmarks/real_model_learning.py --model "$MODEL" --device "$DEVICE" --threads "$THREADS" \
+        --out "$WORK/learning" "${LEARN_ARGS[@]}" 2>&1 | grep -v -E '^\s*$' | tee "$DIR/real_model_learning.log"
+    cp "$WORK/learning/real_model_learning.png" "$DIR/" 2>/dev/null || true
+fi
 
 "$PY" - "$FILE" "$DIR/rollout_engine.log" "$WORK/learning/real_model_learning.json" "$DEVICE" "$MODEL" \
     "$engine_s" "$(( $(date +%s) - started ))" <<'PY'
 """Gather the two steps' figures into one JSON: the engine tables as rows of numbers, the learning figures."""
 import json
+import os
 import re
 import sys
 
@@ -114,27 +127,29 @@ import torch
 out, engine_log, learning_json, device, model, engine_s, total_s = sys.argv[1:]
 tables, current = {}, None
 names = {"episodes in flight": "episodes_per_s", "rows |": "tokens_per_s", "rows (3 adapters)": "lora_routing_ms"}
-for line in open(engine_log):
+for line in open(engine_log) if os.path.exists(engine_log) else []:
     for marker, name in names.items():
         if line.startswith(f"| {marker}"):
             current = tables.setdefault(name, [])
     cells = [c.strip().rstrip("x") for c in line.strip().strip("|").split("|")]
     if current is not None and cells and re.fullmatch(r"\d+", cells[0]):
         current.append([float(c) for c in cells])
-learning = json.load(open(learning_json))
+learning = json.load(open(learning_json)) if os.path.exists(learning_json) else None
 figures = {
     "device": device, "model": model, "torch": torch.__version__,
     "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
     "seconds": {"rollout_engine": float(engine_s), "total": float(total_s)},
     "rollout_engine": tables,
-    "learning": {k: learning[k] for k in ("before", "after", "gain", "target", "rollouts_to_target",
-                                          "ratio_process_over_outcome", "ratio_kind", "seconds", "settings")},
+    "learning": learning and {k: learning[k] for k in ("before", "after", "gain", "target", "rollouts_to_target",
+                                                       "ratio_process_over_outcome", "ratio_kind", "seconds",
+                                                       "settings")},
 }
 json.dump(figures, open(out, "w"), indent=1)
 eps = tables.get("episodes_per_s", [])
 print(f"gpu_check: {device}, {total_s} s; engine/serialised episodes/s: "
       + ", ".join(f"{int(r[0])} in flight {r[3]:.2f}x" for r in eps)
-      + f"; held-out success {learning['before']['success']:.3f} -> "
-      + ", ".join(f"{m} {a['success']:.3f}" for m, a in learning["after"].items()) + f"; wrote {out}")
+      + (f"; held-out success {learning['before']['success']:.3f} -> "
+         + ", ".join(f"{m} {a['success']:.3f}" for m, a in learning["after"].items()) if learning else "")
+      + f"; wrote {out}")
 PY
 rm -rf "$WORK"

@@ -140,11 +140,11 @@ class _Batch:
             out = policies.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                                  use_cache=True, logits_to_keep=1, **{self.cache_kwarg: cache}, **route)
         _pad_left(cache, mask, width)  # checks the cache is one the engine can batch
-        for i, row in enumerate(rows):
+        for row in rows:
             if row.request.do_sample:
                 row.generator = torch.Generator(device=device).manual_seed(row.request.seed)
             row.length = len(row.request.prompt_ids)
-            self._pick(row, out.logits[i, -1])
+        self._pick(rows, out.logits[:, -1])
         going = [i for i, r in enumerate(rows) if not r.done]
         if not going:  # every row stopped at its first token (and an empty index would be a float tensor)
             return
@@ -176,10 +176,9 @@ class _Batch:
         with self._route(self.rows) as route:
             out = self.policies.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
                                       use_cache=True, **{self.cache_kwarg: self.cache}, **route)
-        logits = out.logits[:, -1]  # (B, V)
-        for i, row in enumerate(self.rows):
+        for row in self.rows:
             row.length += 1
-            self._pick(row, logits[i])
+        self._pick(self.rows, out.logits[:, -1])
 
     def retire(self) -> list[_Row]:
         """Drop the rows that are done from the batch (and the cache columns no row uses any more)."""
@@ -203,27 +202,32 @@ class _Batch:
                 layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
         return done
 
-    def _pick(self, row: _Row, logits: torch.Tensor) -> None:
-        """Choose the row's next token from its logits (V,) and record its behaviour log-prob."""
+    def _pick(self, rows: Sequence[_Row], logits: torch.Tensor) -> None:
+        """Choose each row's next token from its logits (N, V) and record its behaviour log-prob. Each row
+        draws with its own generator; the tokens and log-probs come back to the host in one copy per step
+        (not two per row: on a GPU each is a sync that stalls the next forward)."""
         import torch
 
-        req = row.request
-        if req.do_sample:
-            logp = behaviour_logprobs(logits, req.temperature)
-            token = int(torch.multinomial(logp.exp(), 1, generator=row.generator).item())
-        else:  # greedy: the arg-max, its log-prob recorded at temperature 1
-            logp = behaviour_logprobs(logits)
-            token = int(logp.argmax().item())
-        row.tokens.append(token)
-        row.logprobs.append(float(logp[token]))
-        if req.top_logprobs:
-            values, indices = logp.topk(req.top_logprobs)
-            row.tops.append(list(zip(indices.tolist(), values.tolist())))
-        if token in self.stop:
-            row.finished = row.done = True
-        elif len(row.tokens) >= req.max_new_tokens:
-            row.done = True
-
+        temperatures = torch.tensor([r.request.temperature if r.request.do_sample else 1.0 for r in rows],
+                                    device=logits.device)  # greedy: the arg-max, its log-prob at temperature 1
+        logp = behaviour_logprobs(logits, temperatures)  # (N, V)
+        picks = [torch.multinomial(logp[i].exp(), 1, generator=r.generator) if r.request.do_sample
+                 else logp[i].argmax().view(1) for i, r in enumerate(rows)]
+        tokens = torch.cat(picks)  # (N,)
+        chosen = logp.gather(1, tokens[:, None])[:, 0]  # (N,)
+        k = max(r.request.top_logprobs for r in rows)
+        if k:
+            values, indices = (t.tolist() for t in logp.topk(k, dim=-1))
+        for i, (row, token, logprob) in enumerate(zip(rows, tokens.tolist(), chosen.tolist())):
+            row.tokens.append(token)
+            row.logprobs.append(logprob)
+            if row.request.top_logprobs:
+                n = row.request.top_logprobs
+                row.tops.append(list(zip(indices[i][:n], values[i][:n])))
+            if token in self.stop:
+                row.finished = row.done = True
+            elif len(row.tokens) >= row.request.max_new_tokens:
+                row.done = True
 
 def cache_kwarg(model: Any) -> str:
     """The forward keyword that takes a KV cache: `cache` since transformers 5.2x, `past_key_values` before.

@@ -60,7 +60,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ray-cpus-per-worker", type=float, default=1.0, help="CPUs Ray reserves per actor")
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--tasks-per-iteration", type=int, default=16)
-    p.add_argument("--held-out", type=int, default=24, help="held-out templated questions to evaluate on")
+    p.add_argument("--held-out", type=int, default=24,
+                   help="held-out questions to evaluate on: templated (tiny model), else real DABench ones")
     p.add_argument("--eval-rollouts", type=int, default=4, help="sampled rollouts per held-out question")
     p.add_argument("--real-questions", type=int, default=3, help="real DABench questions to evaluate on")
     p.add_argument("--warm-steps", type=int, default=500, help="supervised warm-start steps (tiny model only)")
@@ -90,7 +91,10 @@ def main() -> None:
     else:
         base = args.model
         pool = [recipe.to_task(t) for t in load_dabench()]
-        train, held_out = pool[: len(pool) * 3 // 4], pool[len(pool) * 3 // 4 :]
+        if not 0 < args.held_out < len(pool):
+            raise SystemExit(f"--held-out must be between 1 and {len(pool) - 1} ({len(pool)} DABench questions: "
+                             f"the others train), got {args.held_out}")
+        train, held_out = pool[: -args.held_out], pool[-args.held_out :]
     policies = AgentPolicies.from_pretrained(base, list(team.AGENTS))
     graph = functools.partial(recipe.team_graph, vllm=args.vllm)  # each Ray worker builds its own copy
     judge = recipe.process_judge()
@@ -117,9 +121,11 @@ def main() -> None:
         n = len(tasks) * rollouts
         return {"accuracy": p, "stderr": (p * (1 - p) / n) ** 0.5, "episodes": n}
 
+    kind = "templated" if args.model == "tiny" else "DABench"
+
     def show(label: str, acc: dict[str, dict[str, float]]) -> None:
         h, r = acc["held_out"], acc["real_dabench"]
-        print(f"accuracy {label} held-out templated {h['accuracy']:.2f} ± {h['stderr']:.2f} ({h['episodes']} "
+        print(f"accuracy {label} held-out {kind} {h['accuracy']:.2f} ± {h['stderr']:.2f} ({h['episodes']} "
               f"episodes), real DABench {r['accuracy']:.2f} ({r['episodes']} episodes)", flush=True)
 
     before = {"held_out": accuracy(held_out, args.eval_rollouts), "real_dabench": accuracy(real, 1)}

@@ -107,6 +107,9 @@ def main() -> None:
         run_name="data-analysis", output_dir=str(out), iterations=args.iterations,
         tasks_per_iteration=args.tasks_per_iteration, rollouts_per_task=4, rollout_concurrency=8, seed=args.seed,
         lr=3e-3, ppo_epochs=2, max_new_tokens=64, reward=RewardConfig(filter_zero_signal=False),
+        # a real model's backward keeps every layer's activations and attention maps: with SmolLM2-135M in
+        # fp32, one update micro-batch of 16 actions of 500+60 tokens peaks at 19.6 GB RSS, of 4 at 6.2 GB
+        micro_batch_size=16 if args.model == "tiny" else 4,
         rollout_backend="ray" if args.ray else "local",
         ray=RayConfig(address=None if args.ray in (None, "local") else args.ray, workers=args.ray_workers,
                       concurrency_per_worker=args.ray_concurrency, cpus_per_worker=args.ray_cpus_per_worker,

@@ -60,7 +60,12 @@ if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 SITE=/tmp/mappa_site  # wheels installed here, by this call or an earlier --stage call on the same machine
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+    # wheels staged for the device machine (CPython 3.12, x86-64) need not install on the machine staging them
+    if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+            .whl/*.whl 2>/dev/null; then
+        echo "gpu_check: the wheels in .whl/ do not install with $PY here; using its own packages" >&2
+        SITE=$(mktemp -d "${TMPDIR:-/tmp}/mappa_site.XXXXXX")  # not an earlier call's, which would shadow them
+    fi
 fi
 [ -d "$SITE" ] && export PYTHONPATH="$PYTHONPATH:$SITE"
 if [ "$STAGE" = 1 ]; then  # a staging call: keep what this call carried for the next one, run nothing

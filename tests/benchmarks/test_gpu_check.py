@@ -62,3 +62,20 @@ def test_gpu_check_cpu_mode_writes_the_figures(tmp_path: Path) -> None:
     assert set(learning["after"]) == {"process", "outcome"}
     assert learning["ratio_kind"]
     assert (out.parent / "rollout_engine.log").exists() and (out.parent / "real_model_learning.png").exists()
+
+
+def test_gpu_check_engine_only_writes_engine_figures_alone_and_refuses_an_unknown_step(tmp_path: Path) -> None:
+    # --only engine: the short rerun a session makes when its device time is nearly spent
+    out = tmp_path / "gpu_check.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.setdefault("MAPPA_CACHE_DIR", str(ROOT / ".mappa_cache"))
+    run = subprocess.run(["bash", "scripts/gpu_check.sh", "--device", "cpu", "--model", "tiny", "--only", "engine",
+                          "--out", str(out)], check=False, cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["learning"] is None and figures["rollout_engine"]["episodes_per_s"]
+    assert not (tmp_path / "real_model_learning.log").exists()
+    bad = subprocess.run(["bash", "scripts/gpu_check.sh", "--only", "judge"], check=False, cwd=ROOT,
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "--only must be engine or learning" in bad.stderr

@@ -78,6 +78,10 @@ class _TraceWorker(Executor):
     """
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        """No thread, no jobs: a new worker, or a forked child's copy (see _forget_threads_after_fork)."""
         self._queue: queue.SimpleQueue[tuple[_Job, Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None]
         self._queue = queue.SimpleQueue()
         self._jobs: list[_Job] = []
@@ -138,9 +142,6 @@ class _Job:
         finally:
             self._done.release()
 
-    def done(self) -> bool:
-        return not self._done.locked()
-
     def exception(self, timeout: float | None = None) -> BaseException | None:
         if not self._done.acquire(timeout=-1 if timeout is None else timeout):
             raise TimeoutError(f"the trace writer did not finish this job within {timeout} s")
@@ -171,10 +172,7 @@ def _forget_threads_after_fork() -> None:
     The parent's queued and running builds stay the parent's (the child would write them twice, and wait
     forever on the one that was running), and its lock may have been held by a thread the child lacks."""
     for worker in list(_WORKERS):
-        worker._thread = None
-        worker._queue = queue.SimpleQueue()
-        worker._jobs = []
-        worker._jobs_lock = threading.Lock()
+        worker._reset()
 
 
 if hasattr(os, "register_at_fork"):  # POSIX; elsewhere there is no fork

@@ -229,6 +229,7 @@ class _Batch:
             elif len(row.tokens) >= row.request.max_new_tokens:
                 row.done = True
 
+
 def cache_kwarg(model: Any) -> str:
     """The forward keyword that takes a KV cache: `cache` since transformers 5.2x, `past_key_values` before.
     A model whose forward takes neither by name would silently drop the cache (every step then sees only its

@@ -343,10 +343,7 @@ class PolicyEndpoint:
         except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages is the request's fault
             raise RouteError(400, f"cannot render the messages with the model's chat template: {exc}",
                              code="invalid_messages", param="messages") from None
-        greedy = settings["greedy"] or (call is not None and call.greedy)
-        if call is not None and call.temperature is not None:  # the trainer's sampling temperature wins
-            settings["temperature"] = call.temperature
-        seed = settings["seed"] if settings["seed"] is not None else (call.seed if call is not None else None)
+        greedy, seed = _call_sampling(settings, call)
         adapter = policies.adapter_of[agent]
         gen = policies.sample(adapter, prompt_ids, max_new_tokens=settings["max_tokens"],
                               temperature=1.0 if greedy else settings["temperature"], do_sample=not greedy,
@@ -392,14 +389,11 @@ class PolicyEndpoint:
         except Exception as exc:  # noqa: BLE001 - VLLMError / ValueError: no adapter for this agent
             raise RouteError(404, f"agent {agent!r} has no adapter on the upstream server: {exc}",
                              code="model_not_found", param="model") from None
-        greedy = settings["greedy"] or (call is not None and call.greedy)
-        if call is not None and call.temperature is not None:  # the trainer's sampling temperature wins
-            settings["temperature"] = call.temperature
+        greedy, seed = _call_sampling(settings, call)
         body = {k: v for k, v in payload.items() if k not in ("stream", "stream_options")}
         body.update(model=adapter, logprobs=True, return_token_ids=True, temperature=0.0 if greedy else settings["temperature"],
                     top_p=payload.get("top_p", 1.0), top_k=-1, max_tokens=settings["max_tokens"])
         body.pop("max_completion_tokens", None)
-        seed = settings["seed"] if settings["seed"] is not None else (call.seed if call is not None else None)
         if seed is not None:
             body["seed"] = seed
         headers = {"Authorization": f"Bearer {self.upstream.api_key}"}
@@ -525,6 +519,17 @@ def _sampling(payload: Mapping[str, Any], default_max_tokens: int) -> dict[str, 
             raise bad(key, "must be a list")
     return {"max_tokens": max_tokens, "temperature": float(temperature), "greedy": temperature == 0,
             "top_logprobs": top_logprobs, "logprobs": bool(payload.get("logprobs")), "seed": seed, "stop": stop}
+
+
+def _call_sampling(settings: dict[str, Any], call: PendingCall | None) -> tuple[bool, int | None]:
+    """A request's (greedy, seed) once its pending call (a training rollout's) is known: greedy if either
+    asks, the request's own seed over the call's; the call's temperature, the trainer's, replaces the
+    request's in `settings`, where the recorded temperature is read from."""
+    if call is None:
+        return settings["greedy"], settings["seed"]
+    if call.temperature is not None:
+        settings["temperature"] = call.temperature
+    return settings["greedy"] or call.greedy, settings["seed"] if settings["seed"] is not None else call.seed
 
 
 def _call_temperature(value: Any) -> float | None:

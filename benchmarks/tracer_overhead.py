@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import HumanMessage
 
 from mappa_graph import TraceStore, instrument
@@ -61,6 +62,21 @@ def _task(i: int) -> dict[str, Any]:
     return {"messages": [HumanMessage(f"task-{i}")]}
 
 
+class _Empty(BaseCallbackHandler):
+    """A handler that does nothing: what langchain-core's own callback dispatch costs, the floor of any
+    tracer built on callbacks."""
+
+    run_inline = True
+
+
+class _WithHandler:
+    def __init__(self, graph: Any) -> None:
+        self.graph, self.config = graph, {"callbacks": [_Empty()]}
+
+    def invoke(self, task: Any) -> Any:
+        return self.graph.invoke(task, self.config)
+
+
 def measure(label: str, build: Callable[[], Any], runs: int, block: int) -> dict[str, float]:
     """Median (and quartiles) over repetitions of each variant's block time / the plain block time."""
     reps = max(1, runs // block)
@@ -68,6 +84,7 @@ def measure(label: str, build: Callable[[], Any], runs: int, block: int) -> dict
         store = TraceStore(Path(tmp) / "bench.db")
         variants = {
             "plain": build(),
+            "empty callback handler": _WithHandler(build()),
             "instrumented (memory)": instrument(build()),
             "instrumented (SQLite store)": instrument(build(), store=store),
         }
@@ -78,7 +95,7 @@ def measure(label: str, build: Callable[[], Any], runs: int, block: int) -> dict
         times: dict[str, list[float]] = {name: [] for name in names}
         cpu: dict[str, list[float]] = {name: [] for name in names}
         for rep in range(reps):
-            for name in names[rep % 3 :] + names[: rep % 3]:  # rotate, so no variant always runs first
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:  # rotate, so no variant always runs first
                 graph = variants[name]
                 start, start_cpu = time.perf_counter(), time.process_time()
                 for i in range(block):

@@ -7,6 +7,7 @@ Hugging Face chat templates take, so a stored prompt can be re-rendered without 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from langchain_core.messages import (
@@ -70,22 +71,23 @@ def content_text(content: Any) -> str:
     return str(content)
 
 
-def to_jsonable(value: Any, _depth: int = 0) -> Any:
-    """Make graph state (messages, pydantic models, dataclasses...) storable as JSON without losing meaning."""
+def to_jsonable(value: Any, _depth: int = 0, *, message: Callable[[BaseMessage], Any] = message_to_dict) -> Any:
+    """Make graph state (messages, pydantic models, dataclasses...) storable as JSON without losing meaning.
+    `message` converts each message (the trace builder passes one that converts each message once)."""
     if _depth > 32:
         return repr(value)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, BaseMessage):
-        return message_to_dict(value)
+        return message(value)
     if isinstance(value, BaseModel):
-        return to_jsonable(value.model_dump(mode="json"), _depth + 1)
+        return to_jsonable(value.model_dump(mode="json"), _depth + 1, message=message)
     if isinstance(value, dict):
-        return {str(k): to_jsonable(v, _depth + 1) for k, v in value.items()}
+        return {str(k): to_jsonable(v, _depth + 1, message=message) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
-        return [to_jsonable(v, _depth + 1) for v in value]
+        return [to_jsonable(v, _depth + 1, message=message) for v in value]
     if hasattr(value, "__dataclass_fields__"):
-        return {k: to_jsonable(getattr(value, k), _depth + 1) for k in value.__dataclass_fields__}
+        return {k: to_jsonable(getattr(value, k), _depth + 1, message=message) for k in value.__dataclass_fields__}
     try:
         json.dumps(value)
         return value

@@ -20,11 +20,15 @@ from langchain_core.messages import ToolMessage
 
 from ..messages import MAPPA_KEY, content_text, message_to_dict, to_jsonable
 from ..traces import Action, Episode, ToolCall, ToolResult
+from .courtesy import yield_gil
 from .paths import AgentResolver, is_internal, node_path
 
 # (kind, run_id, parent_run_id, metadata, payload, time, extra); run ids as `UUID.int` (cheap to hash)
 Event = tuple[str, int, "int | None", "Mapping[str, Any] | None", Any, float, Any]
 
+# events replayed between two yields of the GIL on the background writer (see courtesy.py): measured on the
+# 3-node benchmark graph, every 4 cost the graph least (every event: more switches than the graph gains)
+_YIELD_EVERY = 4
 _LAST = ((9, ""),)  # sorts after every task path: a model call made after the node's subgraph tasks of a step
 
 
@@ -76,10 +80,25 @@ class EpisodeBuilder:
         self.episode: Episode | None = None
         self.root: int | None = None
         self.root_ns: str | None = None
+        # Each message converted once: a run's messages recur in every later model call's input, in node
+        # outputs and in the final state (a supervisor run converted each about nine times). Keyed by id():
+        # the events hold every message alive until the build ends. Each use gets its own shallow copy.
+        self._message_dicts: dict[int, dict[str, Any]] = {}
+
+    def _message(self, message: Any) -> dict[str, Any]:
+        found = self._message_dicts.get(id(message))
+        if found is None:
+            found = self._message_dicts[id(message)] = message_to_dict(message)
+        return dict(found)
+
+    def _jsonable(self, value: Any) -> Any:
+        return to_jsonable(value, message=self._message)
 
     def build(self, events: Sequence[Event]) -> Episode:
-        for kind, run_id, parent, metadata, payload, at, extra in events:
+        for i, (kind, run_id, parent, metadata, payload, at, extra) in enumerate(events):
             getattr(self, f"_{kind}")(run_id, parent, metadata or {}, payload, at, extra)
+            if i % _YIELD_EVERY == _YIELD_EVERY - 1:
+                yield_gil()
         assert self.episode is not None
         return self._finish()
 
@@ -141,7 +160,7 @@ class EpisodeBuilder:
             metadata["start_checkpoint_id"] = start
         if isinstance(inputs, self._command_type) and inputs.resume is not None:
             metadata["resumed"] = True
-        self.episode = Episode(run=self.run, input=to_jsonable(inputs), started_at=at, metadata=metadata, **fields)
+        self.episode = Episode(run=self.run, input=self._jsonable(inputs), started_at=at, metadata=metadata, **fields)
         self.root = run_id
         self.root_ns = meta.get("langgraph_checkpoint_ns")
         self.ns_of_run[run_id] = self.root_ns
@@ -155,7 +174,7 @@ class EpisodeBuilder:
                 action.handoff = self._targets(outputs) or None
             action.node_output = self._output(outputs)
         if run_id == self.root:
-            self.episode.final_state = to_jsonable(outputs)
+            self.episode.final_state = self._jsonable(outputs)
             self._root_end(at, extra)
 
     def _chain_error(self, run_id: int, parent: Any, meta: Any, error: BaseException, at: float, extra: Any) -> None:
@@ -214,16 +233,16 @@ class EpisodeBuilder:
             if value.graph is not None:  # Command.PARENT, which LangGraph rewrites to the parent's namespace
                 record["graph"] = "parent"
             if value.update is not None:
-                record["update"] = to_jsonable(value.update)
+                record["update"] = self._jsonable(value.update)
             if value.resume is not None:
-                record["resume"] = to_jsonable(value.resume)
+                record["resume"] = self._jsonable(value.resume)
             return {"command": record}
-        return to_jsonable(value)
+        return self._jsonable(value)
 
     def _interrupts(self, error: BaseException) -> list[dict[str, Any]]:
         found = error.args[0] if error.args else ()
         found = found if isinstance(found, (list, tuple)) else [found]
-        records = [{"value": to_jsonable(getattr(i, "value", i)), "id": getattr(i, "id", None)} for i in found]
+        records = [{"value": self._jsonable(getattr(i, "value", i)), "id": getattr(i, "id", None)} for i in found]
         for record in records:
             self.interrupts.setdefault(record["id"] or str(len(self.interrupts)), record["value"])
         return records
@@ -256,7 +275,7 @@ class EpisodeBuilder:
             step=meta.get("langgraph_step"),
             checkpoint_ns=ns,
             parent_id=node_run.action.parent_id if node_run else None,
-            input_messages=[message_to_dict(m) for m in (messages[0] if messages else [])],
+            input_messages=[self._message(m) for m in (messages[0] if messages else [])],
             model=params.get("model") or params.get("model_name") or meta.get("ls_model_name"),
             started_at=at,
         )
@@ -277,7 +296,7 @@ class EpisodeBuilder:
         if message is None:
             action.output_message = {"role": "assistant", "content": getattr(generations[0], "text", "")}
             return
-        action.output_message = message_to_dict(message)
+        action.output_message = self._message(message)
         for call in action.output_message.get("tool_calls", []):
             action.tool_calls.append(ToolCall(id=call.get("id"), name=call["name"], args=call.get("args", {})))
             if call.get("id"):
@@ -341,7 +360,7 @@ class EpisodeBuilder:
                         llm_action.node_output = action.node_output
                         llm_action.handoff = llm_action.handoff or action.handoff
                     continue
-                action.node_input = to_jsonable(node_run.raw_input)
+                action.node_input = self._jsonable(node_run.raw_input)
             kept.append(action)
         ids = {a.id for a in kept}
         for i, action in enumerate(kept):

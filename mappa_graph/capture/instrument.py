@@ -29,6 +29,7 @@ from langchain_core.runnables import RunnableConfig
 
 from ..traces import Episode
 from .collector import TraceCollector
+from .courtesy import mark_background
 from .paths import AgentResolver, AgentsSpec
 from .store import TraceStore
 
@@ -157,6 +158,7 @@ class _Job:
 
 def _work(jobs: queue.SimpleQueue[Any]) -> None:
     """The worker thread: run jobs in order until a None."""
+    mark_background()
     while (item := jobs.get()) is not None:
         job, fn, args, kwargs = item
         job.run(fn, args, kwargs)

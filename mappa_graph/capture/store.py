@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..traces import Action, Episode, Reward
+from .courtesy import yield_gil
 
 SCHEMA_VERSION = 1
 
@@ -118,25 +119,15 @@ class TraceStore:
         self.add_episodes([episode])
 
     def add_episodes(self, episodes: Iterable[Episode]) -> None:
+        rows = _episode_rows(episodes)  # serialised before taking the lock: readers wait only for the inserts
         with self._tx():
-            self._write_episodes(episodes)
+            self._insert_episodes(rows)
 
-    def _write_episodes(self, episodes: Iterable[Episode]) -> None:
-        for episode in episodes:
-            head = episode.model_dump(mode="json", exclude={"actions"})
-            self._db.execute(
-                "INSERT OR REPLACE INTO episodes VALUES (?,?,?,?,?,?,?)",
-                (episode.id, episode.run, episode.task_id, episode.outcome, episode.error,
-                 episode.started_at, json.dumps(head)),
-            )
-            self._db.execute("DELETE FROM actions WHERE episode_id=?", (episode.id,))
-            self._db.executemany(
-                "INSERT INTO actions VALUES (?,?,?,?,?,?,?)",
-                [
-                    (a.id, episode.id, episode.run, a.agent, a.node, a.index, a.model_dump_json())
-                    for a in episode.actions
-                ],
-            )
+    def _insert_episodes(self, rows: list[tuple[tuple[Any, ...], list[tuple[Any, ...]]]]) -> None:
+        for head, actions in rows:
+            self._db.execute("INSERT OR REPLACE INTO episodes VALUES (?,?,?,?,?,?,?)", head)
+            self._db.execute("DELETE FROM actions WHERE episode_id=?", (head[0],))
+            self._db.executemany("INSERT INTO actions VALUES (?,?,?,?,?,?,?)", actions)
 
     def add_rewards(self, rewards: Iterable[Reward]) -> None:
         rewards = list(rewards)
@@ -268,7 +259,7 @@ class TraceStore:
                                  "WHERE episode_id=?", (joined.id, joined.id, part.id))
                 self._db.execute("DELETE FROM actions WHERE episode_id=?", (part.id,))
                 self._db.execute("DELETE FROM episodes WHERE id=?", (part.id,))
-            self._write_episodes([joined])
+            self._insert_episodes(_episode_rows([joined]))
         return joined
 
     def delete_episodes_after(self, run: str, iteration: int) -> int:
@@ -325,3 +316,19 @@ def join_episodes(parts: list[Episode]) -> Episode:
                        "joined_episode_ids": [part.id for part in parts]}
     joined.metadata.pop("resumed", None)
     return joined
+
+
+def _episode_rows(episodes: Iterable[Episode]) -> list[tuple[tuple[Any, ...], list[tuple[Any, ...]]]]:
+    """Each episode's row and its actions' rows, serialised; on the trace writer, the GIL goes back to the
+    graph between actions (see courtesy.py)."""
+    rows = []
+    for episode in episodes:
+        head = episode.model_dump(mode="json", exclude={"actions"})
+        actions = []
+        for action in episode.actions:
+            actions.append((action.id, episode.id, episode.run, action.agent, action.node, action.index,
+                            action.model_dump_json()))
+            yield_gil()
+        rows.append(((episode.id, episode.run, episode.task_id, episode.outcome, episode.error, episode.started_at,
+                      json.dumps(head)), actions))
+    return rows

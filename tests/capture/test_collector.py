@@ -117,3 +117,38 @@ def test_backend_token_record_lands_on_the_action_with_its_temperature() -> None
     app.invoke(task_input(4))
     planner = app.last_episode.actions[0]
     assert (planner.temperature, planner.output_logprobs, planner.adapter, planner.trainable) == (0.7, [-0.5], "a0", True)
+
+
+def test_each_message_is_converted_once_but_every_use_is_its_own_copy(monkeypatch) -> None:
+    from mappa_graph.capture import builder
+
+    calls = []
+    convert = builder.message_to_dict
+    monkeypatch.setattr(builder, "message_to_dict", lambda m: calls.append(m) or convert(m))
+    app = instrument(build_graph().compile(), background=False)
+    app.invoke(task_input(3))
+    ep = app.last_episode
+    # the human message is in three model calls' inputs and the final state; converted once
+    assert sum(1 for m in calls if m.type == "human") == 1
+    planner, coder1 = ep.actions[0], ep.actions[1]
+    planner.input_messages[1]["content"] = "changed"
+    assert coder1.input_messages[1]["content"] == "solve task-3"
+    assert ep.final_state["messages"][0]["content"] == "solve task-3"
+
+
+def test_the_background_writer_gives_the_gil_back_while_building(monkeypatch) -> None:
+    """A worker thread that holds the GIL through a whole build makes a graph thread waking from a model call
+    wait for it (see capture/courtesy.py): the build yields every few events, on the worker only."""
+    import threading
+
+    from mappa_graph.capture import courtesy
+
+    sleeps: list[str] = []
+    monkeypatch.setattr(courtesy.time, "sleep", lambda s: sleeps.append(threading.current_thread().name))
+    app = instrument(build_graph().compile(), background=False)
+    app.invoke(task_input(1))
+    assert sleeps == []  # on the graph's own thread: nothing to give way to
+    app = instrument(build_graph().compile())
+    app.invoke(task_input(2))
+    app.flush()
+    assert len(sleeps) >= 5 and set(sleeps) == {"mappa-trace"}  # 22 events: a yield every 4

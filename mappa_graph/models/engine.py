@@ -86,6 +86,10 @@ class _Batch:
         self.rows: list[_Row] = []
         self.cache: Any = None
         self.mask: Any = None  # (B, L) 1 where the cache holds a real token of that row
+        # each row's next input token and its position, kept on the device beside the mask: a step builds no
+        # tensor from Python lists (two host-to-device copies per step on a GPU)
+        self.next_ids: Any = None  # (B,)
+        self.positions: Any = None  # (B,)
         self.stop = frozenset(policies.stop_token_ids)
         self.cache_kwarg = cache_kwarg(policies.model)
 
@@ -142,18 +146,22 @@ class _Batch:
         _pad_left(cache, mask, width)  # checks the cache is one the engine can batch
         for row in rows:
             if row.request.do_sample:
-                row.generator = torch.Generator(device=device).manual_seed(row.request.seed)
+                # on the host: a draw is one uniform per row and step, and a host generator draws it without a
+                # kernel launch (all rows' draws then go to the device in one copy)
+                row.generator = torch.Generator().manual_seed(row.request.seed)
             row.length = len(row.request.prompt_ids)
-        self._pick(rows, out.logits[:, -1])
+        tokens = self._pick(rows, out.logits[:, -1])
         going = [i for i, r in enumerate(rows) if not r.done]
         if not going:  # every row stopped at its first token (and an empty index would be a float tensor)
             return
+        positions = torch.tensor([rows[i].length for i in going], device=device)
         if len(going) < len(rows):
             index = torch.tensor(going, dtype=torch.long, device=device)
             cache.batch_select_indices(index)
-            mask = mask[index]
+            mask, tokens = mask[index], tokens[index]
         if self.cache is None:
             self.cache, self.mask, self.rows = cache, mask, [rows[i] for i in going]
+            self.next_ids, self.positions = tokens, positions
             return
         width = max(self.mask.shape[1], mask.shape[1])
         self.cache = _pad_left(self.cache, self.mask, width)
@@ -164,21 +172,22 @@ class _Batch:
         self.mask = torch.cat([torch.nn.functional.pad(self.mask, (width - self.mask.shape[1], 0)),
                                torch.nn.functional.pad(mask, (width - mask.shape[1], 0))], dim=0)
         self.rows.extend(rows[i] for i in going)
+        self.next_ids = torch.cat([self.next_ids, tokens])
+        self.positions = torch.cat([self.positions, positions])
 
     def step(self) -> None:
         """One decoding step for every row: feed each row's last token, sample its next."""
         import torch
 
-        device = self.policies.device
-        ids = torch.tensor([[r.tokens[-1]] for r in self.rows], device=device)  # (B, 1)
-        positions = torch.tensor([[r.length] for r in self.rows], device=device)  # (B, 1)
+        ids = self.next_ids[:, None]  # (B, 1)
         self.mask = torch.cat([self.mask, torch.ones_like(ids)], dim=1)  # (B, L+1)
         with self._route(self.rows) as route:
-            out = self.policies.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
+            out = self.policies.model(input_ids=ids, attention_mask=self.mask, position_ids=self.positions[:, None],
                                       use_cache=True, **{self.cache_kwarg: self.cache}, **route)
         for row in self.rows:
             row.length += 1
-        self._pick(self.rows, out.logits[:, -1])
+        self.positions = self.positions + 1
+        self.next_ids = self._pick(self.rows, out.logits[:, -1])
 
     def retire(self) -> list[_Row]:
         """Drop the rows that are done from the batch (and the cache columns no row uses any more)."""
@@ -190,11 +199,11 @@ class _Batch:
         keep = [i for i, r in enumerate(self.rows) if not r.done]
         self.rows = [self.rows[i] for i in keep]
         if not keep:
-            self.cache = self.mask = None
+            self.cache = self.mask = self.next_ids = self.positions = None
             return done
         index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
         self.cache.batch_select_indices(index)
-        self.mask = self.mask[index]
+        self.mask, self.next_ids, self.positions = self.mask[index], self.next_ids[index], self.positions[index]
         unused = int((self.mask.sum(dim=0) == 0).long().cumprod(dim=0).sum())  # leading all-padding columns
         if unused:
             self.mask = self.mask[:, unused:]
@@ -202,18 +211,28 @@ class _Batch:
                 layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
         return done
 
-    def _pick(self, rows: Sequence[_Row], logits: torch.Tensor) -> None:
-        """Choose each row's next token from its logits (N, V) and record its behaviour log-prob. Each row
-        draws with its own generator; the tokens and log-probs come back to the host in one copy per step
-        (not two per row: on a GPU each is a sync that stalls the next forward)."""
+    def _pick(self, rows: Sequence[_Row], logits: torch.Tensor) -> torch.Tensor:
+        """Choose each row's next token from its logits (N, V), record its behaviour log-prob, and return the
+        tokens (N,) on the device. A sampled row draws one uniform from its own generator and takes the token
+        where it falls in the row's cumulative distribution (inverse-CDF sampling, what a multinomial does
+        inside, here for every row in one pass instead of one multinomial per row); a greedy row takes the
+        arg-max. Tokens and log-probs come back to the host in one copy per step (on a GPU each copy is a sync
+        that stalls the next forward)."""
         import torch
 
         temperatures = torch.tensor([r.request.temperature if r.request.do_sample else 1.0 for r in rows],
                                     device=logits.device)  # greedy: the arg-max, its log-prob at temperature 1
         logp = behaviour_logprobs(logits, temperatures)  # (N, V)
-        picks = [torch.multinomial(logp[i].exp(), 1, generator=r.generator) if r.request.do_sample
-                 else logp[i].argmax().view(1) for i, r in enumerate(rows)]
-        tokens = torch.cat(picks)  # (N,)
+        tokens = logp.argmax(dim=-1)  # (N,)
+        sampled = [r.request.do_sample for r in rows]
+        if any(sampled):
+            draws = torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) if s
+                               else torch.zeros(1, dtype=torch.float64) for r, s in zip(rows, sampled)])
+            cdf = logp.double().exp().cumsum(dim=-1)  # (N, V); float64: 49k float32 terms drift by ~1e-5
+            at = (draws.to(logp.device) * cdf[:, -1])[:, None]  # scaled to the row's own total
+            # the first token whose cumulative probability exceeds the draw (a zero-probability token never is)
+            drawn = torch.searchsorted(cdf, at, right=True)[:, 0].clamp_(max=logp.shape[-1] - 1)
+            tokens = drawn if all(sampled) else torch.where(torch.tensor(sampled, device=logp.device), drawn, tokens)
         chosen = logp.gather(1, tokens[:, None])[:, 0]  # (N,)
         k = max(r.request.top_logprobs for r in rows)
         if k:
@@ -228,6 +247,7 @@ class _Batch:
                 row.finished = row.done = True
             elif len(row.tokens) >= row.request.max_new_tokens:
                 row.done = True
+        return tokens
 
 
 def cache_kwarg(model: Any) -> str:

@@ -177,3 +177,32 @@ def test_rows_that_all_finish_at_their_first_token_leave_no_batch_behind(policie
                .output_token_ids) == 1
     assert len(engine.sample(SampleRequest(adapter=AGENTS[1], prompt_ids=prompt, max_new_tokens=3, seed=1))
                .output_token_ids) <= 3  # and the engine goes on afterwards
+
+
+def test_each_row_draws_from_its_behaviour_distribution_and_greedy_rows_take_the_argmax(policies) -> None:
+    """The batched draw (inverse-CDF, one uniform per row) samples softmax(logits / T), the distribution whose
+    log-probs are recorded: 6000 rows, each its own generator, against the exact probabilities."""
+    from concurrent.futures import Future
+
+    from mappa_graph.models.engine import _Batch, _Row
+
+    batch = _Batch(policies)
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -3.0])
+    for temperature in (0.6, 1.4):
+        rows = []
+        for i in range(6000):
+            greedy = i % 10 == 0
+            row = _Row(request=SampleRequest(adapter=None, prompt_ids=[1], temperature=temperature,
+                                             do_sample=not greedy, seed=i), future=Future())
+            row.generator = torch.Generator().manual_seed(i)
+            rows.append(row)
+        tokens = batch._pick(rows, logits.expand(len(rows), -1)).tolist()
+        sampled = [t for i, t in enumerate(tokens) if i % 10]
+        assert all(t == 0 for i, t in enumerate(tokens) if i % 10 == 0)
+        p = torch.softmax(logits / temperature, dim=-1).tolist()
+        n = len(sampled)
+        for k, pk in enumerate(p):
+            share = sampled.count(k) / n
+            assert abs(share - pk) < 4 * (pk * (1 - pk) / n) ** 0.5 + 1e-3, (temperature, k, share, pk)
+        recorded = [r.logprobs[-1] for r in rows if r.request.do_sample]
+        assert recorded[0] == pytest.approx(torch.log_softmax(logits / temperature, -1)[sampled[0]].item(), abs=1e-6)

@@ -139,9 +139,11 @@ class _Batch:
         mask = torch.tensor([[0] * (width - len(r.request.prompt_ids)) + [1] * len(r.request.prompt_ids)
                              for r in rows], device=device)  # (N, P)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (N, P)
+        for row in rows:
+            row.length = len(row.request.prompt_ids)
         cache = DynamicCache(config=policies.model.config)
         with self._route(rows) as route:
-            out = policies.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+            out = policies.model(input_ids=ids, attention_mask=_needed(mask, rows, width), position_ids=positions,
                                  use_cache=True, logits_to_keep=1, **{self.cache_kwarg: cache}, **route)
         _pad_left(cache, mask, width)  # checks the cache is one the engine can batch
         for row in rows:
@@ -149,7 +151,6 @@ class _Batch:
                 # on the host: a draw is one uniform per row and step, and a host generator draws it without a
                 # kernel launch (all rows' draws then go to the device in one copy)
                 row.generator = torch.Generator().manual_seed(row.request.seed)
-            row.length = len(row.request.prompt_ids)
         tokens = self._pick(rows, out.logits[:, -1])
         going = [i for i, r in enumerate(rows) if not r.done]
         if not going:  # every row stopped at its first token (and an empty index would be a float tensor)
@@ -182,7 +183,8 @@ class _Batch:
         ids = self.next_ids[:, None]  # (B, 1)
         self.mask = torch.cat([self.mask, torch.ones_like(ids)], dim=1)  # (B, L+1)
         with self._route(self.rows) as route:
-            out = self.policies.model(input_ids=ids, attention_mask=self.mask, position_ids=self.positions[:, None],
+            out = self.policies.model(input_ids=ids, attention_mask=_needed(self.mask, self.rows, self.mask.shape[1] - 1),
+                                      position_ids=self.positions[:, None],
                                       use_cache=True, **{self.cache_kwarg: self.cache}, **route)
         for row in self.rows:
             row.length += 1
@@ -204,7 +206,7 @@ class _Batch:
         index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
         self.cache.batch_select_indices(index)
         self.mask, self.next_ids, self.positions = self.mask[index], self.next_ids[index], self.positions[index]
-        unused = int((self.mask.sum(dim=0) == 0).long().cumprod(dim=0).sum())  # leading all-padding columns
+        unused = self.mask.shape[1] - max(r.length for r in self.rows)  # leading all-padding columns
         if unused:
             self.mask = self.mask[:, unused:]
             for layer in self.cache.layers:
@@ -263,6 +265,16 @@ def cache_kwarg(model: Any) -> str:
             return name
     raise TypeError(f"{type(base).__name__}.forward takes no KV cache (neither `cache` nor `past_key_values`): "
                     "the rollout engine needs a causal LM with a KV cache")
+
+
+def _needed(mask: torch.Tensor, rows: Sequence[_Row], width: int) -> torch.Tensor | None:
+    """The attention mask, or None when no row has padding (every row holds `width` real tokens before this
+    forward). Known on the host, from lengths. Without a mask transformers takes the plain causal path: on
+    CUDA, masked SDPA with grouped KV heads (SmolLM2, Qwen, Llama) falls back to the math kernel, measured at
+    0.78x HF generate's tokens/s at 16 rows on an H200 when every step passed its all-ones mask."""
+    if all(r.length == width for r in rows):
+        return None
+    return mask
 
 
 def _pad_left(cache: Any, mask: torch.Tensor, width: int) -> Any:

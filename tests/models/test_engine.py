@@ -206,3 +206,30 @@ def test_each_row_draws_from_its_behaviour_distribution_and_greedy_rows_take_the
             assert abs(share - pk) < 4 * (pk * (1 - pk) / n) ** 0.5 + 1e-3, (temperature, k, share, pk)
         recorded = [r.logprobs[-1] for r in rows if r.request.do_sample]
         assert recorded[0] == pytest.approx(torch.log_softmax(logits / temperature, -1)[sampled[0]].item(), abs=1e-6)
+
+
+def test_a_mask_goes_to_the_model_only_while_some_row_has_padding(policies, monkeypatch) -> None:
+    """Without padding the engine passes no attention mask (on CUDA a masked SDPA over grouped KV heads takes
+    the math kernel); with rows of different lengths it passes one, and the tokens are the same either way."""
+    seen: list[bool] = []
+    forward = type(policies.model).forward
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("attention_mask") is not None)
+        return forward(self, *args, **kwargs)
+
+    from mappa_graph.models.engine import decode
+
+    prompt = policies.render([{"role": "user", "content": "mean of fare?"}])
+    longer = policies.render([{"role": "user", "content": "mean of fare? and of age, please"}])
+    same = [SampleRequest(adapter="planner", prompt_ids=prompt, max_new_tokens=5, seed=s) for s in (1, 2)]
+    reference = [g.output_token_ids for g in decode(policies, same)]
+    monkeypatch.setattr(type(policies.model), "forward", spy)
+    assert [g.output_token_ids for g in decode(policies, same)] == reference
+    assert seen and not any(seen)
+    seen.clear()
+    mixed = [SampleRequest(adapter="planner", prompt_ids=p, max_new_tokens=5, seed=1) for p in (prompt, longer)]
+    out = decode(policies, mixed)
+    assert seen[0] and all(seen)  # the shorter row is padded for the whole decode
+    alone = decode(policies, [mixed[0]])[0]
+    assert out[0].output_token_ids == alone.output_token_ids

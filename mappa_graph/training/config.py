@@ -47,6 +47,8 @@ class TrainConfig(BaseModel):
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate of every adapter")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     ppo_epochs: int = Field(1, ge=1, description="optimiser passes over each rollout batch (reward shaping)")
+    mini_batches: int = Field(1, ge=1, description="optimiser steps per pass: each adapter's batch, shuffled, "
+                              "split into this many mini-batches (TRL's num_mini_batches)")
     clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip")
     loss_aggregation: Literal["token_mean", "sequence_mean"] = Field(
         "token_mean", description="token_mean: every token of the adapter's batch weighs the same (TRL/DAPO); "

@@ -315,7 +315,8 @@ class Trainer:
         return found
 
     def update(self, samples: Sequence[Sample]) -> dict[str, dict[str, float]]:
-        """ppo_epochs passes; per adapter, one optimiser step per pass over its samples in micro-batches."""
+        """ppo_epochs passes; per adapter, one optimiser step per mini-batch of its samples (one per pass by
+        default), each accumulated over micro-batches."""
         cfg = self.config
         by_adapter: dict[str, list[Sample]] = defaultdict(list)
         for s in samples:
@@ -325,21 +326,26 @@ class Trainer:
         # ratio 1 and silently drop the clip after the first step)
         # every rank holds the same global batch (see gather), so every rank updates the same adapters and calls
         # the same all-reduces; each takes its shard of an adapter's samples, normalised by the global counts
-        totals = {adapter: (sum(len(s.output_token_ids) for s in group), len(group))
-                  for adapter, group in by_adapter.items()}
-        if distributed.is_distributed():
-            by_adapter = {adapter: distributed.shard(group, distributed.rank(), distributed.world_size())
-                          for adapter, group in by_adapter.items()}
-        old = {adapter: self._old_logprobs(group) for adapter, group in by_adapter.items()}
-        epochs: dict[str, list[dict[str, float]]] = defaultdict(list)
+        # mini-batches are cut from the global batch (the same cut on every rank), then sharded
+        minis: dict[str, list[tuple[list[Sample], tuple[int, int]]]] = {}
+        for adapter, group in by_adapter.items():
+            minis[adapter] = []
+            for part in _mini_batches(group, cfg.mini_batches, f"{cfg.seed}:{self.iteration}:{adapter}"):
+                totals = (sum(len(s.output_token_ids) for s in part), len(part))
+                if distributed.is_distributed():
+                    part = distributed.shard(part, distributed.rank(), distributed.world_size())
+                minis[adapter].append((part, totals))
+        old = {adapter: [self._old_logprobs(part) for part, _ in parts] for adapter, parts in minis.items()}
+        steps: dict[str, list[dict[str, float]]] = defaultdict(list)
         for _ in range(cfg.ppo_epochs):
-            for adapter, group in by_adapter.items():
-                epochs[adapter].append(self._update_adapter(adapter, group, old[adapter], *totals[adapter]))
+            for adapter, parts in minis.items():
+                for (part, totals), old_logprobs in zip(parts, old[adapter]):
+                    steps[adapter].append(self._update_adapter(adapter, part, old_logprobs, *totals))
         if by_adapter:
             self.weights_version += 1
         if self.on_update is not None and by_adapter:
             self.on_update(self.policies, self.iteration + 1)
-        return {adapter: _merge_epochs(stats) for adapter, stats in epochs.items()}
+        return {adapter: _merge_epochs(stats, len(minis[adapter])) for adapter, stats in steps.items()}
 
     def _old_logprobs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
         """Per sample (T_i,): the behaviour log-probs recorded at rollout, else its adapter's own before any step."""
@@ -546,13 +552,29 @@ def _per_agent_token_mean(samples: Sequence[Sample], values: Sequence[float]) ->
     return {agent: total / max(tokens, 1.0) for agent, (total, tokens) in totals.items()}
 
 
-def _merge_epochs(epochs: Sequence[dict[str, float]]) -> dict[str, float]:
-    """One adapter's stats over all PPO epochs of an iteration: means of per-token figures and of the loss,
-    skipped steps summed, the last grad norm, and the count of epochs (not the last epoch alone)."""
-    merged = {key: sum(e[key] for e in epochs) / len(epochs) for key in epochs[0] if key not in ("skipped_step",)}
-    merged["skipped_step"] = sum(e["skipped_step"] for e in epochs)
-    merged["grad_norm"] = epochs[-1]["grad_norm"]
-    merged["tokens"] = epochs[0]["tokens"]
-    merged["epochs"] = len(epochs)
-    merged["clip_fraction_last_epoch"] = epochs[-1]["clip_fraction"]
+def _merge_epochs(steps: Sequence[dict[str, float]], per_epoch: int = 1) -> dict[str, float]:
+    """One adapter's stats over all optimiser steps of an iteration (`per_epoch` mini-batch steps per PPO
+    epoch): means of per-token figures and of the loss, skipped steps summed, the last grad norm, the
+    adapter's tokens (one epoch's mini-batches), and the counts of epochs and steps."""
+    merged = {key: sum(e[key] for e in steps) / len(steps) for key in steps[0] if key not in ("skipped_step",)}
+    merged["skipped_step"] = sum(e["skipped_step"] for e in steps)
+    merged["grad_norm"] = steps[-1]["grad_norm"]
+    merged["tokens"] = sum(e["tokens"] for e in steps[:per_epoch])
+    merged["epochs"] = len(steps) // per_epoch
+    merged["optimizer_steps"] = len(steps)
+    last = steps[-per_epoch:]
+    merged["clip_fraction_last_epoch"] = sum(e["clip_fraction"] * e["tokens"] for e in last) / max(
+        sum(e["tokens"] for e in last), 1)
     return merged
+
+
+def _mini_batches(samples: Sequence[Sample], k: int, seed: str) -> list[list[Sample]]:
+    """`samples` shuffled into min(k, len) near-equal mini-batches; the whole batch, in order, when k is 1. The
+    cut depends on the samples' content and the seed only, not on their order or ids: ranks that gathered the
+    same batch in another order (sharded rollouts) cut it the same way."""
+    if k <= 1 or len(samples) <= 1:
+        return [list(samples)]
+    order = sorted(samples, key=lambda s: (s.prompt_token_ids, s.output_token_ids, s.advantage, s.agent))
+    random.Random(seed).shuffle(order)
+    k = min(k, len(order))
+    return [order[i * len(order) // k : (i + 1) * len(order) // k] for i in range(k)]

@@ -24,11 +24,12 @@ def _config(out: Path):
     from mappa_graph.training.config import TrainConfig
     from mappa_graph.training.credit import RewardConfig
 
-    # micro-batches of 3 so both the single process and each rank accumulate over several backward passes.
+    # micro-batches of 3 so both the single process and each rank accumulate over several backward passes; two
+    # mini-batches, so each step is cut from the global batch before the ranks shard it
     # lr is small because AdamW's first step is lr * g / (|g| + eps): where a gradient is near zero, float32
     # rounding of a different summation order (shards) moves the step by up to ~1e-3 * lr, so 1e-6 needs lr ~1e-4
     return TrainConfig(run_name="dp", output_dir=str(out), iterations=1, tasks_per_iteration=6, rollouts_per_task=2,
-                       rollout_concurrency=2, lr=1e-4, ppo_epochs=1, max_new_tokens=6, micro_batch_size=3,
+                       rollout_concurrency=2, lr=1e-4, ppo_epochs=1, mini_batches=2, max_new_tokens=6, micro_batch_size=3,
                        reward=RewardConfig(filter_zero_signal=False))
 
 

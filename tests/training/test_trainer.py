@@ -374,3 +374,28 @@ def test_reward_kl_of_a_sample_without_behaviour_log_probs_is_measured_not_zero(
     unrecorded = trainer._sample_kl(samples)
     assert any(abs(k) > 1e-4 for k in unrecorded)  # was exactly 0 for every such sample
     assert all(math.isfinite(k) for k in recorded + unrecorded)
+
+
+def test_mini_batches_take_one_optimizer_step_each_on_a_disjoint_share_of_the_batch(tmp_path, monkeypatch) -> None:
+    """mini_batches=3, ppo_epochs=2: six steps per adapter per iteration, each on a third of its samples (seeded
+    shuffle), together covering every sample once per epoch; the logged tokens are the adapter's whole batch."""
+    trainer = arithmetic.build_trainer(_config(tmp_path, ppo_epochs=2, mini_batches=3), _policies())
+    episodes, rewards = _one_iteration(trainer)
+    samples, _ = trainer.credit(episodes, rewards, 1)
+    seen: dict[str, list[list[int]]] = {}
+    update = type(trainer)._update_adapter
+
+    def spy(self, adapter, part, old, total_tokens, total_samples):
+        seen.setdefault(adapter, []).append([id(s) for s in part])
+        assert total_samples == len(part) and total_tokens == sum(len(s.output_token_ids) for s in part)
+        return update(self, adapter, part, old, total_tokens, total_samples)
+
+    monkeypatch.setattr(type(trainer), "_update_adapter", spy)
+    stats = trainer.update(samples)
+    for adapter, steps in seen.items():
+        mine = [s for s in samples if trainer.policies.adapter_of[s.agent] == adapter]
+        assert len(steps) == 6 and stats[adapter]["optimizer_steps"] == 6 and stats[adapter]["epochs"] == 2
+        for epoch in (steps[:3], steps[3:]):
+            assert sorted(i for part in epoch for i in part) == sorted(id(s) for s in mine)
+            assert all(abs(len(p) - len(mine) / 3) < 1 for p in epoch)
+        assert stats[adapter]["tokens"] == sum(len(s.output_token_ids) for s in mine)

@@ -4,10 +4,11 @@ tables. The README's main job:
     .venv/bin/python examples/data_analysis.py [--iterations 6] [--out reports/data_analysis]
 
 CPU default: the tiny offline model, warm-started on templated questions over six small DABench tables (a
-column mean, a filter-and-count, a correlation; answers computed with pandas; see SMALL_TABLES for why these),
-then a short MAPPA run with the process judge, then held-out accuracy before/after (sampled rollouts, with
-the standard error) on templated questions and on a few real DABench questions (the tiny model is not
-expected to solve those: they show the path works). Writes a report folder: report.json, rewards.png,
+column mean, a count above or below a column's quantile, a correlation; answers computed with pandas; see
+SMALL_TABLES for why these), then a short MAPPA run with the process judge on templated questions the warm
+start never saw, then held-out accuracy before/after (sampled rollouts, with the standard error) on a third set
+of templated questions and on a few real DABench questions (the tiny model is not expected to solve those:
+they show the path works). Writes a report folder: report.json, rewards.png,
 metrics.jsonl, the exported adapters and the trace DB.
 
 Real models: `--model Qwen/Qwen3-1.7B` (HF name or local path) trains on real DABench questions;
@@ -62,9 +63,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tasks-per-iteration", type=int, default=16)
     p.add_argument("--held-out", type=int, default=24,
                    help="held-out questions to evaluate on: templated (tiny model), else real DABench ones")
+    p.add_argument("--rl-tasks", type=int, default=96,
+                   help="templated questions MAPPA trains on, none seen in the warm start (tiny model only)")
     p.add_argument("--eval-rollouts", type=int, default=4, help="sampled rollouts per held-out question")
     p.add_argument("--real-questions", type=int, default=3, help="real DABench questions to evaluate on")
-    p.add_argument("--warm-steps", type=int, default=500, help="supervised warm-start steps (tiny model only)")
+    p.add_argument("--warm-steps", type=int, default=1000, help="supervised warm-start steps (tiny model only)")
     p.add_argument("--warm-noise", type=float, default=0.0,
                    help="share of warm-start replies with a typical slip (tiny model only)")
     p.add_argument("--out", default="reports/data_analysis")
@@ -81,13 +84,21 @@ def main() -> None:
     real = [recipe.to_task(t) for t in load_dabench(levels=["easy"], limit=args.real_questions)]
     if args.model == "tiny":
         templated = templated_tasks(1000, seed=args.seed, tables=SMALL_TABLES, max_number_chars=5)
-        train_raw, held_raw = templated[: -args.held_out], templated[-args.held_out :]
-        print(f"warm start on {len(train_raw)} templated questions over {len(SMALL_TABLES)} DABench tables ...",
-              flush=True)
-        base = str(warm_start("tiny", recipe.warm_start_examples(train_raw, tool, noise=args.warm_noise,
+        # three disjoint sets: the warm start's questions, MAPPA's (new to the model, so reward comes only from
+        # the skill, not from a remembered answer) and the held-out ones
+        if args.held_out < 1 or args.rl_tasks < 1 or args.held_out + args.rl_tasks >= len(templated):
+            raise SystemExit(f"--held-out and --rl-tasks must be >= 1 and leave warm-start questions: "
+                             f"{len(templated)} templated questions, got --held-out {args.held_out} --rl-tasks "
+                             f"{args.rl_tasks}")
+        held_raw = templated[-args.held_out :]
+        rl_raw = templated[-args.held_out - args.rl_tasks : -args.held_out]
+        warm_raw = templated[: -args.held_out - args.rl_tasks]
+        print(f"warm start on {len(warm_raw)} templated questions over {len(SMALL_TABLES)} DABench tables; MAPPA "
+              f"on {len(rl_raw)} others; {len(held_raw)} held out ...", flush=True)
+        base = str(warm_start("tiny", recipe.warm_start_examples(warm_raw, tool, noise=args.warm_noise,
                                                                  seed=args.seed),
                               steps=args.warm_steps, batch_size=8, lr=1e-2, seed=args.seed))
-        train, held_out = [recipe.to_task(t) for t in train_raw], [recipe.to_task(t) for t in held_raw]
+        train, held_out = [recipe.to_task(t) for t in rl_raw], [recipe.to_task(t) for t in held_raw]
     else:
         base = args.model
         pool = [recipe.to_task(t) for t in load_dabench()]

@@ -27,6 +27,15 @@ def test_small_tables_short_numbers_only_and_answers_are_pandas() -> None:
         assert check_answer(task.answers, f"@{field}[{printed}]", task.format).correct, (task.question, printed)
 
 
+def test_count_questions_name_a_quantile_that_the_code_computes() -> None:
+    tasks = [t for t in templated_tasks(200, seed=1, tables=SMALL_TABLES) if t.concepts[0] == "count"]
+    assert {count_condition(t.question) for t in tasks} >= {(">", 0.9), ("<", 0.1)}
+    task = tasks[0]
+    op, q = count_condition(task.question)
+    code = code_for("count", task_columns(task), q, op)
+    assert f".quantile({q:g})" in code and f"{q:g} quantile?" in task.question
+
+
 def test_without_the_filter_long_numbers_appear() -> None:
     tasks = templated_tasks(300, seed=0)
     assert any(len(t.answers[0][1]) > 5 for t in tasks)

@@ -130,8 +130,9 @@ def main() -> None:
     trainer = Trainer(graph, policies, judge, train, config, outcome=recipe.outcome)
 
     def accuracy(tasks: list, rollouts: int) -> dict[str, float]:
-        """Mean outcome of `rollouts` sampled episodes per task, with its binomial standard error."""
-        p = trainer.evaluate(tasks, rollouts=rollouts)
+        """Mean outcome of `rollouts` sampled episodes per task, with its binomial standard error; before and
+        after training on the same random draws, so the difference is the policy's."""
+        p = trainer.evaluate(tasks, rollouts=rollouts, seed_iteration=0)  # before and after: the same draws
         n = len(tasks) * rollouts
         return {"accuracy": p, "stderr": (p * (1 - p) / n) ** 0.5, "episodes": n}
 

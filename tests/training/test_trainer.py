@@ -399,3 +399,17 @@ def test_mini_batches_take_one_optimizer_step_each_on_a_disjoint_share_of_the_ba
             assert sorted(i for part in epoch for i in part) == sorted(id(s) for s in mine)
             assert all(abs(len(p) - len(mine) / 3) < 1 for p in epoch)
         assert stats[adapter]["tokens"] == sum(len(s.output_token_ids) for s in mine)
+
+
+def test_evaluations_on_the_same_seed_iteration_draw_the_same_rollouts(tmp_path) -> None:
+    """Before/after comparisons on common random numbers: an unchanged policy evaluated at another iteration
+    with the same seed_iteration gives the same episodes (the default seeds from the current iteration)."""
+    trainer = arithmetic.build_trainer(_config(tmp_path), _policies())
+    tasks = trainer.sample_tasks(1)[:4]
+    outputs = []
+    for iteration in (0, 2):
+        trainer.iteration = iteration
+        trainer.evaluate(tasks, rollouts=2, seed_iteration=0)
+        episodes = sorted(trainer.store.episodes(run=trainer.eval_run), key=lambda e: e.started_at)[-8:]
+        outputs.append(sorted(str([a.output_token_ids for a in e.actions]) for e in episodes))
+    assert outputs[0] == outputs[1]

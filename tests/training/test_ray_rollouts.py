@@ -89,11 +89,12 @@ def test_ray_iteration_gives_the_in_process_episodes_rewards_and_weights(tmp_pat
     # the update on the driver is the same; its new adapter version reaches the workers for the next rollouts
     after = {name: _adapters(t) for name, t in trainers.items()}
     assert any(not torch.equal(after["ray"][n], p) for n, p in before.items())
-    # atol 1e-5 (steps here are ~5e-3): the workers decode in batches of their own, so behaviour log-probs agree
-    # to float rounding only (a batch without padding runs without an attention mask), and AdamW's first step,
-    # lr * g / (|g| + eps), magnifies rounding where a gradient is near zero (as in test_distributed.py)
+    # within a 200th of a step (lr 5e-3): the workers decode in batches of their own, so behaviour log-probs
+    # agree to float rounding only (a batch without padding runs without an attention mask), and AdamW's first
+    # step, lr * g / (|g| + eps), magnifies rounding where a gradient is near zero (measured 2.3e-6 and 4.2e-6 on
+    # one element of 1024; see also test_distributed.py)
     for name in after["local"]:
-        torch.testing.assert_close(after["ray"][name], after["local"][name], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(after["ray"][name], after["local"][name], atol=2.5e-5, rtol=1e-5)
     tasks = local.sample_tasks(2)
     second = {name: t.rollout(tasks, 2) for name, t in trainers.items()}
     assert remote.ray.version == remote.weights_version == 1

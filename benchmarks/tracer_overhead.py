@@ -1,7 +1,8 @@
 """Tracer overhead: the same graph run plain and instrumented, side by side in one process, on two graphs: the
 3-node graph (a chat model that answers in 1 ms) and a create_supervisor team over two create_react_agent
 workers (each model call 1 ms; 11 actions per run, handoffs included). Goal: instrumented / plain wall time
-<= 1.02 on the 3-node graph, with the in-memory store and with SQLite.
+<= 1.02 on the 3-node graph, with the in-memory store and with SQLite. Beside them, the graph with an empty
+callback handler: what langchain-core's callback dispatch costs by itself, the floor of any callback tracer.
 
 How it measures, so a busy machine moves both sides alike: one repetition runs a block of `--block` calls of
 each variant (plain, instrumented in memory, instrumented into SQLite), the variants' order rotating, and

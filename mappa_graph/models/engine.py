@@ -155,14 +155,14 @@ class _Batch:
         going = [i for i, r in enumerate(rows) if not r.done]
         if not going:  # every row stopped at its first token (and an empty index would be a float tensor)
             return
-        positions = torch.tensor([rows[i].length for i in going], device=device)
+        lengths = torch.tensor([rows[i].length for i in going], device=device)  # each row's next position
         if len(going) < len(rows):
             index = torch.tensor(going, dtype=torch.long, device=device)
             cache.batch_select_indices(index)
             mask, tokens = mask[index], tokens[index]
         if self.cache is None:
             self.cache, self.mask, self.rows = cache, mask, [rows[i] for i in going]
-            self.next_ids, self.positions = tokens, positions
+            self.next_ids, self.positions = tokens, lengths
             return
         width = max(self.mask.shape[1], mask.shape[1])
         self.cache = _pad_left(self.cache, self.mask, width)
@@ -174,16 +174,17 @@ class _Batch:
                                torch.nn.functional.pad(mask, (width - mask.shape[1], 0))], dim=0)
         self.rows.extend(rows[i] for i in going)
         self.next_ids = torch.cat([self.next_ids, tokens])
-        self.positions = torch.cat([self.positions, positions])
+        self.positions = torch.cat([self.positions, lengths])
 
     def step(self) -> None:
         """One decoding step for every row: feed each row's last token, sample its next."""
         import torch
 
         ids = self.next_ids[:, None]  # (B, 1)
+        width = self.mask.shape[1]  # L: the cache's positions before this step
         self.mask = torch.cat([self.mask, torch.ones_like(ids)], dim=1)  # (B, L+1)
         with self._route(self.rows) as route:
-            out = self.policies.model(input_ids=ids, attention_mask=_needed(self.mask, self.rows, self.mask.shape[1] - 1),
+            out = self.policies.model(input_ids=ids, attention_mask=_needed(self.mask, self.rows, width),
                                       position_ids=self.positions[:, None],
                                       use_cache=True, **{self.cache_kwarg: self.cache}, **route)
         for row in self.rows:

@@ -162,8 +162,8 @@ def warm_start_examples(tasks: list[DABenchTask], python_tool: Any, *, noise: fl
         plan = f"1. Use {' and '.join(plan_cols)}. 2. Compute the {kind}."
         examples.append(SFTExample(messages=to_hf_messages(planner_prompt(state)), reply=plan))
         state["plan"] = plan
-        op, threshold = count_condition(task.question) if kind == "count" else (">", None)
-        code = code_for(kind, cols, threshold, op) if rng.random() >= noise else f"print(df['{cols[0]}'].head())"
+        op, quantile = count_condition(task.question) if kind == "count" else (">", None)
+        code = code_for(kind, cols, quantile, op) if rng.random() >= noise else f"print(df['{cols[0]}'].head())"
         call = {"name": python_tool.name, "arguments": {"code": code}}
         examples.append(SFTExample(messages=to_hf_messages(coder_prompt(state)), tools=tool_schema,
                                    reply=f"<tool_call>{json.dumps(call)}</tool_call>"))

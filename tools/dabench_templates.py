@@ -51,12 +51,12 @@ def count_condition(question: str) -> tuple[str, float]:
     return (">" if match.group(1) == "greater" else "<"), float(match.group(2))
 
 
-def code_for(kind: str, columns: list[str], threshold: float | None = None, op: str = ">") -> str:
+def code_for(kind: str, columns: list[str], quantile: float | None = None, op: str = ">") -> str:
     """The one line that answers a templated question (what the warm start teaches the coder)."""
     if kind == "mean":
         return f"print(round(df['{columns[0]}'].mean(), 2))"
     if kind == "count":
-        return f"print(int((df['{columns[0]}'] {op} df['{columns[0]}'].quantile({threshold:g})).sum()))"
+        return f"print(int((df['{columns[0]}'] {op} df['{columns[0]}'].quantile({quantile:g})).sum()))"
     return f"print(round(df['{columns[0]}'].corr(df['{columns[1]}']), 2))"
 
 
@@ -72,8 +72,8 @@ _QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
 def templated_tasks(n: int, *, seed: int, tables: list[str] | None = None, start_id: int = 100_000,
                     max_number_chars: int | None = None) -> list[DABenchTask]:
     """Up to n distinct templated tasks (fewer when the tables hold fewer); ids start at `start_id` so they never
-    collide with real DABench ids. `max_number_chars`: keep only tasks whose threshold and answer are numbers of
-    at most that many characters (short numbers a small model can copy)."""
+    collide with real DABench ids. `max_number_chars`: keep only tasks whose numbers (in the question and the
+    answer) have at most that many characters (short numbers a small model can copy)."""
     folder = dabench_dir()
     rng = random.Random(seed)
     files = sorted(tables or [p.name for p in (folder / "tables").glob("*.csv")])

@@ -1,5 +1,5 @@
 """Templated questions over the DABench tables: answers are pandas' own, and the short-number filter keeps only
-questions whose threshold and answer a small model can copy."""
+questions whose numbers (quantile, answer) a small model can copy."""
 
 import re
 
@@ -20,8 +20,8 @@ def test_small_tables_short_numbers_only_and_answers_are_pandas() -> None:
     for task in tasks[:40]:  # the template's own code answers each question correctly
         df = pd.read_csv(task.table_path)
         kind = task.concepts[0]
-        op, threshold = count_condition(task.question) if kind == "count" else (">", None)
-        code = code_for(kind, task_columns(task), threshold, op)
+        op, quantile = count_condition(task.question) if kind == "count" else (">", None)
+        code = code_for(kind, task_columns(task), quantile, op)
         printed = str(eval(code.removeprefix("print(")[:-1], {"df": df}))
         field = task.answers[0][0]
         assert check_answer(task.answers, f"@{field}[{printed}]", task.format).correct, (task.question, printed)

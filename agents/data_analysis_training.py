@@ -147,8 +147,13 @@ def _run_trusted(code: str, task: DABenchTask) -> str:
 
 def warm_start_examples(tasks: list[DABenchTask], python_tool: Any, *, noise: float, seed: int) -> list[SFTExample]:
     """Synthetic traces of all three agents on templated tasks, built with the graph's own prompt builders,
-    so the warm start sees exactly the prompts rollouts will. A `noise` share of each agent's replies carries
-    a typical slip (a wrong column, code that prints nothing useful, an answer without the format)."""
+    so the warm start sees exactly the prompts rollouts will. A `noise` share of the coder's and of the
+    analyst's replies, drawn independently, carries a typical slip: the coder describes the computation instead
+    of calling the tool, the analyst gives the bare value without the requested format. A slipped coder ran
+    nothing, so its task has no analyst demonstration (the analyst is never taught to answer from a table's
+    head, which an earlier slip printed). Plans never slip: the coder copies the columns from the plan, and
+    with plans naming a wrong column (and the head slip) a 1000-step warm start at 30% noise ended at loss 0.34,
+    without them at 0.09 (clean: 0.03)."""
     rng = random.Random(seed)
     tool_schema = [convert_to_openai_tool(python_tool)]
     examples = []
@@ -157,14 +162,16 @@ def warm_start_examples(tasks: list[DABenchTask], python_tool: Any, *, noise: fl
         state = dict(t.input)
         cols = task_columns(task)
         kind = task.concepts[0]
-        slip = rng.random() < noise
-        plan_cols = cols if not slip else [rng.choice(state["columns"])]
-        plan = f"1. Use {' and '.join(plan_cols)}. 2. Compute the {kind}."
+        plan = f"1. Use {' and '.join(cols)}. 2. Compute the {kind}."
         examples.append(SFTExample(messages=to_hf_messages(planner_prompt(state)), reply=plan))
         state["plan"] = plan
         op, quantile = count_condition(task.question) if kind == "count" else (">", None)
-        code = code_for(kind, cols, quantile, op) if rng.random() >= noise else f"print(df['{cols[0]}'].head())"
+        code = code_for(kind, cols, quantile, op)
         call = {"name": python_tool.name, "arguments": {"code": code}}
+        if rng.random() < noise:  # a slip: no tool call, so nothing runs and there is no value to answer from
+            examples.append(SFTExample(messages=to_hf_messages(coder_prompt(state)), tools=tool_schema,
+                                       reply=f"I will compute the {kind} of {cols[0]} with pandas."))
+            continue
         examples.append(SFTExample(messages=to_hf_messages(coder_prompt(state)), tools=tool_schema,
                                    reply=f"<tool_call>{json.dumps(call)}</tool_call>"))
         output = _run_trusted(code, task)

@@ -73,3 +73,31 @@ def test_one_traced_episode_with_a_failing_then_fixed_tool_call(task, tmp_path) 
     assert episode.actions[2].id not in rewards  # the ToolNode's turn shows, but is not judged
     episode.final_state = out
     assert outcome(episode) == 1.0
+
+
+def test_warm_start_slips_are_independent_and_no_answer_follows_a_slipped_code(dabench_dir) -> None:
+    """The noisy warm start's demonstrations: the coder and the analyst slip at the given rate, each on its own;
+    the planner never does (the coder copies columns from the plan); and there is no answer to demonstrate
+    where the code never ran."""
+    from agents.data_analysis_training import warm_start_examples
+    from tools.dabench_templates import SMALL_TABLES, templated_tasks
+
+    tasks = templated_tasks(120, seed=0, tables=SMALL_TABLES, max_number_chars=5)
+    tool = team.make_table_tool(sandbox=None)
+    clean = warm_start_examples(tasks, tool, noise=0.0, seed=0)
+    assert len(clean) == 3 * len(tasks)
+    noisy = warm_start_examples(tasks, tool, noise=0.4, seed=0)
+
+    def of(agent: str, examples: list) -> list:
+        return [e for e in examples if e.messages[0]["content"] == team.ROLES[agent]]
+
+    assert [e.reply for e in of("planner", noisy)] == [e.reply for e in of("planner", clean)]
+    coder = of("coder", noisy)
+    slipped = [e for e in coder if "<tool_call>" not in e.reply]
+    assert len(coder) == len(tasks) and 0.25 < len(slipped) / len(coder) < 0.55
+    answers = of("analyst", noisy)
+    assert len(answers) == len(tasks) - len(slipped)
+    bare = [e for e in answers if not e.reply.startswith("@")]
+    assert 0.25 < len(bare) / len(answers) < 0.55
+    formatted = {e.reply for e in of("analyst", clean)}
+    assert all(any(f"[{e.reply}]" in f for f in formatted) for e in bare)  # the same value, without the format

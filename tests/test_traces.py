@@ -24,3 +24,14 @@ def test_episode_json_round_trip_keeps_everything() -> None:
 def test_node_action_without_tokens_is_not_trainable() -> None:
     assert not Action(kind="node", node="tools", agent="tools").trainable
     assert not Action(node="coder", agent="coder", prompt_token_ids=[1], output_token_ids=[]).trainable
+
+
+def test_ids_keep_the_uuid4_hex_shape_and_do_not_repeat() -> None:
+    """Ids are stored, exported and joined on as 32 hex digits (the shape uuid4().hex gave)."""
+    import re
+
+    from mappa_graph.traces import new_id
+
+    ids = [new_id() for _ in range(10_000)]
+    assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
+    assert len(set(ids)) == len(ids)

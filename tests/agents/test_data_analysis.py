@@ -77,8 +77,8 @@ def test_one_traced_episode_with_a_failing_then_fixed_tool_call(task, tmp_path) 
 
 def test_warm_start_slips_are_independent_and_no_answer_follows_a_slipped_code(dabench_dir) -> None:
     """The noisy warm start's demonstrations: the coder and the analyst slip at the given rate, each on its own;
-    the planner never does (the coder copies columns from the plan); and there is no answer to demonstrate
-    where the code never ran."""
+    the planner never does (the coder copies columns from the plan); there is no answer to demonstrate where
+    the code never ran; and an analyst's slip still copies the printed value."""
     from agents.data_analysis_training import warm_start_examples
     from tools.dabench_templates import SMALL_TABLES, templated_tasks
 
@@ -97,7 +97,8 @@ def test_warm_start_slips_are_independent_and_no_answer_follows_a_slipped_code(d
     assert len(coder) == len(tasks) and 0.25 < len(slipped) / len(coder) < 0.55
     answers = of("analyst", noisy)
     assert len(answers) == len(tasks) - len(slipped)
-    bare = [e for e in answers if not e.reply.startswith("@")]
-    assert 0.25 < len(bare) / len(answers) < 0.55
+    misnamed = [e for e in answers if e.reply.startswith("@answer[")]
+    assert 0.25 < len(misnamed) / len(answers) < 0.55
     formatted = {e.reply for e in of("analyst", clean)}
-    assert all(any(f"[{e.reply}]" in f for f in formatted) for e in bare)  # the same value, without the format
+    # the same value under the wrong name: the copy of the number is demonstrated as often as without noise
+    assert all(any(f.endswith(e.reply.removeprefix("@answer")) for f in formatted) for e in misnamed)

@@ -5,8 +5,10 @@ tables. The README's main job:
 
 CPU default: the tiny offline model, warm-started on templated questions over six small DABench tables (a
 column mean, a count above or below a column's quantile, a correlation; answers computed with pandas; see
-SMALL_TABLES for why these), then a short MAPPA run with the process judge on templated questions the warm
-start never saw, then held-out accuracy before/after (sampled rollouts, with the standard error) on a third set
+SMALL_TABLES for why these) from demonstrations in which 30% of the coder's replies call no tool and 30% of the
+analyst's file the value under the wrong name (an imperfect teacher; `--warm-noise 0` for clean ones), then a
+short MAPPA run with the process judge on templated questions the warm start never saw, whose per-action rewards
+tell each agent which of its own replies slipped, then held-out accuracy before/after (sampled rollouts, with the standard error) on a third set
 of templated questions and on a few real DABench questions (the tiny model is not expected to solve those:
 they show the path works). Writes a report folder: report.json, rewards.png,
 metrics.jsonl, the exported adapters and the trace DB.
@@ -59,7 +61,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ray-workers", type=int, default=2, help="Ray rollout actors (one per node with --vllm)")
     p.add_argument("--ray-concurrency", type=int, default=1, help="episodes each Ray actor runs at once")
     p.add_argument("--ray-cpus-per-worker", type=float, default=1.0, help="CPUs Ray reserves per actor")
-    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--iterations", type=int, default=4)
     p.add_argument("--tasks-per-iteration", type=int, default=16)
     p.add_argument("--held-out", type=int, default=24,
                    help="held-out questions to evaluate on: templated (tiny model), else real DABench ones")

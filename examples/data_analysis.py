@@ -61,7 +61,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ray-workers", type=int, default=2, help="Ray rollout actors (one per node with --vllm)")
     p.add_argument("--ray-concurrency", type=int, default=1, help="episodes each Ray actor runs at once")
     p.add_argument("--ray-cpus-per-worker", type=float, default=1.0, help="CPUs Ray reserves per actor")
-    p.add_argument("--iterations", type=int, default=4)
+    p.add_argument("--iterations", type=int, default=5)
     p.add_argument("--tasks-per-iteration", type=int, default=16)
     p.add_argument("--held-out", type=int, default=24,
                    help="held-out questions to evaluate on: templated (tiny model), else real DABench ones")

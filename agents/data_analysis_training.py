@@ -170,12 +170,12 @@ def warm_start_examples(tasks: list[DABenchTask], python_tool: Any, *, noise: fl
         op, quantile = count_condition(task.question) if kind == "count" else (">", None)
         code = code_for(kind, cols, quantile, op)
         call = {"name": python_tool.name, "arguments": {"code": code}}
-        if rng.random() < noise:  # a slip: no tool call, so nothing runs and there is no value to answer from
-            examples.append(SFTExample(messages=to_hf_messages(coder_prompt(state)), tools=tool_schema,
-                                       reply=f"I will compute the {kind} of {cols[0]} with pandas."))
+        code_slip = rng.random() < noise  # no tool call: nothing runs, so there is no value to answer from
+        reply = (f"I will compute the {kind} of {cols[0]} with pandas." if code_slip
+                 else f"<tool_call>{json.dumps(call)}</tool_call>")
+        examples.append(SFTExample(messages=to_hf_messages(coder_prompt(state)), tools=tool_schema, reply=reply))
+        if code_slip:
             continue
-        examples.append(SFTExample(messages=to_hf_messages(coder_prompt(state)), tools=tool_schema,
-                                   reply=f"<tool_call>{json.dumps(call)}</tool_call>"))
         output = _run_trusted(code, task)
         state["messages"] = [AIMessage(content="", tool_calls=[{"name": python_tool.name, "args": {"code": code},
                                                                  "id": "call_0"}]),

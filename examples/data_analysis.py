@@ -8,9 +8,9 @@ column mean, a count above or below a column's quantile, a correlation; answers 
 SMALL_TABLES for why these) from demonstrations in which 30% of the coder's replies call no tool and 30% of the
 analyst's file the value under the wrong name (an imperfect teacher; `--warm-noise 0` for clean ones), then a
 short MAPPA run with the process judge on templated questions the warm start never saw, whose per-action rewards
-tell each agent which of its own replies slipped, then held-out accuracy before/after (sampled rollouts, with the standard error) on a third set
-of templated questions and on a few real DABench questions (the tiny model is not expected to solve those:
-they show the path works). Writes a report folder: report.json, rewards.png,
+tell each agent which of its own replies slipped, then held-out accuracy before/after (sampled rollouts, with the
+standard error) on a third set of templated questions and on a few real DABench questions (the tiny model is not
+expected to solve those: they show the path works). Writes a report folder: report.json, rewards.png,
 metrics.jsonl, the exported adapters and the trace DB.
 
 Real models: `--model Qwen/Qwen3-1.7B` (HF name or local path) trains on real DABench questions;

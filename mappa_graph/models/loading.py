@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from . import smollm2, tiny
 from .quiet import quiet_transformers
 from .smollm2 import SMOLLM2_NAME, build_smollm2
 from .tiny import TINY_NAME, build_tiny_model
@@ -19,6 +20,17 @@ def resolve_model_path(name_or_path: str) -> str:
     if name_or_path == TINY_NAME or name_or_path.startswith(f"{TINY_NAME}:"):
         seed = int(name_or_path.split(":", 1)[1]) if ":" in name_or_path else 0
         return str(build_tiny_model(seed=seed))
+    return name_or_path
+
+
+def model_identity(name_or_path: str) -> str:
+    """The name with the build version of the models the project builds itself, for cache keys of work derived
+    from a base (a warm start): a new tiny tokenizer or SmolLM2 conversion must not reuse a warm start made from
+    the old one."""
+    if name_or_path == SMOLLM2_NAME:
+        return f"{name_or_path}@{smollm2.SMOLLM2_VERSION}"
+    if name_or_path == TINY_NAME or name_or_path.startswith(f"{TINY_NAME}:"):
+        return f"{name_or_path}@{tiny.TINY_VERSION}"
     return name_or_path
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from tqdm.auto import tqdm
 
-from .loading import load_base_model
+from .loading import load_base_model, model_identity
 from .quiet import quiet_transformers
 from .tiny import building, cache_root
 
@@ -28,6 +28,14 @@ class SFTExample(BaseModel):
     messages: list[dict]
     reply: str
     tools: list[dict] | None = None
+
+
+def warm_start_key(base: str, examples: Sequence[SFTExample], *, steps: int, batch_size: int, lr: float,
+                   seed: int) -> str:
+    """The cache key of a warm start: everything that changes its result, the base's build version included."""
+    return hashlib.sha256(
+        json.dumps([model_identity(base), [e.model_dump() for e in examples], steps, batch_size, lr, seed]).encode()
+    ).hexdigest()[:16]
 
 
 def warm_start(
@@ -44,9 +52,7 @@ def warm_start(
     """Full fine-tune of `base` on the examples (loss on reply tokens only); returns the saved folder."""
     import torch
 
-    key = hashlib.sha256(
-        json.dumps([base, [e.model_dump() for e in examples], steps, batch_size, lr, seed]).encode()
-    ).hexdigest()[:16]
+    key = warm_start_key(base, examples, steps=steps, batch_size=batch_size, lr=lr, seed=seed)
     target = Path(cache_dir) if cache_dir is not None else cache_root() / f"warm-{key}"
     if (target / "warm_start.json").exists():
         return target

@@ -42,3 +42,19 @@ def test_batch_loss_over_length_groups_equals_the_one_padded_batch_loss():
     with torch.no_grad():
         grouped, reference = _batch_loss(model, batch, pad), _full_loss(model, batch, pad)
     assert torch.allclose(grouped, reference, atol=1e-5), (float(grouped), float(reference))
+
+
+def test_warm_start_key_changes_with_the_tiny_models_build_version(monkeypatch):
+    """A warm start cached from an older tiny tokenizer must not be reused after the tiny model changes (the key
+    once held only the name "tiny")."""
+    from mappa_graph.models import tiny
+    from mappa_graph.models.sft import SFTExample, warm_start_key
+
+    examples = [SFTExample(messages=[{"role": "user", "content": "2+2?"}], reply="4")]
+    settings = {"steps": 10, "batch_size": 2, "lr": 1e-3, "seed": 0}
+    before = warm_start_key("tiny", examples, **settings)
+    assert warm_start_key("tiny", examples, **settings) == before
+    assert warm_start_key("tiny:1", examples, **settings) != before
+    monkeypatch.setattr(tiny, "TINY_VERSION", "v-next")
+    assert warm_start_key("tiny", examples, **settings) != before
+    assert warm_start_key("/models/qwen", examples, **settings) == warm_start_key("/models/qwen", examples, **settings)

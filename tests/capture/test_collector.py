@@ -134,6 +134,13 @@ def test_each_message_is_converted_once_but_every_use_is_its_own_copy(monkeypatc
     planner.input_messages[1]["content"] = "changed"
     assert coder1.input_messages[1]["content"] == "solve task-3"
     assert ep.final_state["messages"][0]["content"] == "solve task-3"
+    # nested parts too: the coder's tool call recurs in every later input and the final state
+    later = [m for a in ep.actions[2:] for m in a.input_messages if m.get("tool_calls")]
+    final = [m for m in ep.final_state["messages"] if m.get("tool_calls")]
+    assert later and final
+    later[0]["tool_calls"][0]["args"]["a"] = -1
+    later[0]["tool_calls"].append({"id": "x", "name": "x", "args": {}})
+    assert final[0]["tool_calls"] == [{"id": final[0]["tool_calls"][0]["id"], "name": "add", "args": {"a": 3, "b": 100}}]
 
 
 def test_the_background_writer_gives_the_gil_back_while_building(monkeypatch) -> None:

@@ -73,11 +73,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warm-noise", type=float, default=0.3,
                    help="share of the coder's and the analyst's warm-start replies with a typical slip, which "
                         "MAPPA's per-action rewards then train away (tiny model only; 0: clean demonstrations)")
-    p.add_argument("--threads", type=int, default=2,
-                   help="torch threads (0: torch's default). The tiny model's training takes a different path on "
-                        "another thread count (float sums in another order, amplified by a 1000-step warm start "
-                        "at a high learning rate), so the default is fixed: the README's figures reproduce on any "
-                        "machine of the same CPU family, whatever its core count")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (0: torch's default; default: 2 for the tiny model, torch's default for "
+                        "others). The tiny model's training takes a different path on another thread count (float "
+                        "sums in another order, amplified by a 1000-step warm start at a high learning rate), so "
+                        "its count is fixed: the README's figures reproduce on any machine of the same CPU family, "
+                        "whatever its core count")
     p.add_argument("--out", default="reports/data_analysis")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
@@ -86,10 +87,11 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     started = time.time()
-    if args.threads:
+    threads = args.threads if args.threads is not None else (2 if args.model == "tiny" else 0)
+    if threads:
         import torch
 
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tool = team.make_table_tool(PythonSandbox(cpu_seconds=10, wall_seconds=20, memory_mb=1024))  # warm start

@@ -83,18 +83,15 @@ class EpisodeBuilder:
         self.root_ns: str | None = None
         # Each message converted once: a run's messages recur in every later model call's input, in node
         # outputs and in the final state (a supervisor run converted each about nine times). Keyed by id():
-        # the events hold every message alive until the build ends. Each use gets its own copy: shallow, but
-        # with its own tool calls, the one nested part (an edit to one action's copy never reaches another's).
+        # the events hold every message alive until the build ends. Each use gets its own copy, nested parts
+        # too (tool calls, content blocks): an edit to one action's copy never reaches another's, or the app's.
         self._message_dicts: dict[int, dict[str, Any]] = {}
 
     def _message(self, message: Any) -> dict[str, Any]:
         found = self._message_dicts.get(id(message))
         if found is None:
             found = self._message_dicts[id(message)] = message_to_dict(message)
-        own = dict(found)
-        if "tool_calls" in own:
-            own["tool_calls"] = copy.deepcopy(own["tool_calls"])
-        return own
+        return {k: copy.deepcopy(v) if isinstance(v, list | dict) else v for k, v in found.items()}
 
     def _jsonable(self, value: Any) -> Any:
         return to_jsonable(value, message=self._message)

@@ -143,6 +143,26 @@ def test_each_message_is_converted_once_but_every_use_is_its_own_copy(monkeypatc
     assert final[0]["tool_calls"] == [{"id": final[0]["tool_calls"][0]["id"], "name": "add", "args": {"a": 3, "b": 100}}]
 
 
+def test_content_blocks_in_a_trace_are_copies_of_the_apps_own() -> None:
+    """A message's content may be a list of blocks (Anthropic-style): the trace's copies must not share it with
+    each other or with the message in the app's state."""
+    from langchain_core.messages import AIMessage
+
+    from tests.fakes import ScriptedChatModel
+
+    model = ScriptedChatModel(script=lambda m: AIMessage(content=[{"type": "text", "text": "the plan"}]))
+    app = instrument(build_graph(planner_model=model).compile(), background=False)
+    result = app.invoke(task_input(2))
+    ep = app.last_episode
+    uses = [m for a in ep.actions[1:] for m in a.input_messages if isinstance(m["content"], list)]
+    final = [m for m in ep.final_state["messages"] if isinstance(m["content"], list)]
+    assert uses and final
+    uses[0]["content"][0]["text"] = "edited"
+    uses[0]["content"].append({"type": "text", "text": "more"})
+    assert final[0]["content"] == [{"type": "text", "text": "the plan"}]
+    assert result["messages"][1].content == [{"type": "text", "text": "the plan"}]
+
+
 def test_the_background_writer_gives_the_gil_back_while_building(monkeypatch) -> None:
     """A worker thread that holds the GIL through a whole build makes a graph thread waking from a model call
     wait for it (see capture/courtesy.py): the build yields every few events, on the worker only."""

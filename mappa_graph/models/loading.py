@@ -17,10 +17,15 @@ def resolve_model_path(name_or_path: str) -> str:
     use), else the name as given."""
     if name_or_path == SMOLLM2_NAME:
         return str(build_smollm2())
-    if name_or_path == TINY_NAME or name_or_path.startswith(f"{TINY_NAME}:"):
+    if _is_tiny(name_or_path):
         seed = int(name_or_path.split(":", 1)[1]) if ":" in name_or_path else 0
         return str(build_tiny_model(seed=seed))
     return name_or_path
+
+
+def _is_tiny(name_or_path: str) -> bool:
+    """"tiny" or "tiny:<seed>"."""
+    return name_or_path == TINY_NAME or name_or_path.startswith(f"{TINY_NAME}:")
 
 
 def model_identity(name_or_path: str) -> str:
@@ -29,7 +34,7 @@ def model_identity(name_or_path: str) -> str:
     the old one."""
     if name_or_path == SMOLLM2_NAME:
         return f"{name_or_path}@{smollm2.SMOLLM2_VERSION}"
-    if name_or_path == TINY_NAME or name_or_path.startswith(f"{TINY_NAME}:"):
+    if _is_tiny(name_or_path):
         return f"{name_or_path}@{tiny.TINY_VERSION}"
     return name_or_path
 

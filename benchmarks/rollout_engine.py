@@ -6,7 +6,8 @@
 Three tables:
 1. episodes/s of the data-analysis team (planner -> coder -> tools -> analyst, three agents, three adapters)
    with N episodes in flight on a thread pool: the serialised path (each call decodes alone, under the
-   policies' lock) vs the engine (`AgentPolicies.batched`: every call joins one continuous batch). The python
+   policies' lock) vs the engine (`AgentPolicies.batched(on_caller=True)`, as the trainer runs it: every call
+   joins one continuous batch, decoded in the main thread). The python
    tool is a stub that answers at once, so the model is all that is timed. Issue 16's goal: >= 3x at 8 and 16.
 2. generated tokens/s on N identical-length prompts, one adapter: the engine vs `model.generate` on the same
    prompts as one static left-padded batch (temperature-only sampling both). Goal: >= 0.9x.
@@ -53,9 +54,12 @@ def episodes_per_second(policies: AgentPolicies, n: int, max_new_tokens: int, *,
     inputs = team_inputs(n)
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=n) as pool:
-        if engine:
-            with policies.batched(max_batch=n):
-                list(pool.map(run, range(n), inputs))
+        if engine:  # as the trainer runs it: decoded in this thread while the episodes run on the pool
+            with policies.batched(max_batch=n, on_caller=True) as eng:
+                futures = [pool.submit(run, i, x) for i, x in enumerate(inputs)]
+                eng.drive(futures)
+                for future in futures:
+                    future.result()
         else:
             list(pool.map(run, range(n), inputs))
     return n / (time.perf_counter() - start)
@@ -64,14 +68,14 @@ def episodes_per_second(policies: AgentPolicies, n: int, max_new_tokens: int, *,
 def tokens_per_second(policies: AgentPolicies, n: int, max_new_tokens: int, *, engine: bool) -> float:
     prompt = policies.render([{"role": "user", "content": "Write a short plan to compute the mean fare."}])
     if engine:
-        with policies.batched(max_batch=n) as eng:
-            # the engine is long-lived in use (one per training run): its thread is started and has run a
-            # forward before the clock starts (on a CPU a new thread's first forward also starts its own
-            # OpenMP team), as HF generate runs in the already-warm calling thread
-            eng.sample(SampleRequest(adapter="coder", prompt_ids=prompt, max_new_tokens=2, seed=0))
+        # decoded in this thread, as HF generate is (and as the trainer drives it): on a CPU, decoding on a
+        # second thread makes libgomp stop spin-waiting (see RolloutEngine); one warm-up request first
+        with policies.batched(max_batch=n, on_caller=True) as eng:
+            eng.drive([eng.submit(SampleRequest(adapter="coder", prompt_ids=prompt, max_new_tokens=2, seed=0))])
             start = time.perf_counter()
             futures = [eng.submit(SampleRequest(adapter="coder", prompt_ids=prompt, max_new_tokens=max_new_tokens,
                                                 seed=i)) for i in range(n)]
+            eng.drive(futures)
             generated = sum(len(f.result().output_token_ids) for f in futures)
             return generated / (time.perf_counter() - start)
     from transformers import GenerationConfig

@@ -324,14 +324,20 @@ def decode(policies: AgentPolicies, requests: Sequence[SampleRequest]) -> list[G
 
 
 class RolloutEngine:
-    """A background thread that decodes all submitted requests in one continuously batched loop.
+    """One continuously batched decoding loop for all submitted requests.
 
     Threads call `sample` (blocking) and coroutines `asample`; both just queue a request and wait for its
     future, so N concurrent episodes share each forward pass instead of taking turns. New requests join at the
     next step (up to `max_batch` rows); finished rows leave at once. Each step holds the policies' lock, so a
-    training pass or an adapter load never runs in the middle of a forward."""
+    training pass or an adapter load never runs in the middle of a forward.
 
-    def __init__(self, policies: AgentPolicies, *, max_batch: int = 16) -> None:
+    The loop runs on the engine's own thread, or with `on_caller=True` in whichever thread calls `drive`
+    (the trainer's: the one that also runs the training passes). On a CPU that matters: each thread that runs
+    torch ops keeps its own OpenMP team, and with two teams of `torch.get_num_threads()` threads on as many
+    cores libgomp stops spin-waiting between parallel regions, so every op pays a wake-up (SmolLM2 on 2 cores:
+    decoding on a second thread made 0.69x the tokens/s of decoding on the thread that loaded the model)."""
+
+    def __init__(self, policies: AgentPolicies, *, max_batch: int = 16, on_caller: bool = False) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.policies = policies
@@ -339,10 +345,14 @@ class RolloutEngine:
         self._queue: deque[_Row] = deque()
         self._wake = threading.Condition()
         self._closed = False
+        self._batch = _Batch(policies)
         self.steps = 0  # decoding steps run (a batch of B rows counts once)
         self.rows_per_step = 0  # sum of batch sizes over steps: rows_per_step / steps is the mean batch
-        self._thread = threading.Thread(target=self._loop, name="mappa-rollout-engine", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        self._driver: int | None = None  # the thread in `drive` now (on_caller only)
+        if not on_caller:
+            self._thread = threading.Thread(target=self._loop, name="mappa-rollout-engine", daemon=True)
+            self._thread.start()
 
     def submit(self, request: SampleRequest) -> Future:
         """Queue a request; the future resolves to its Generation (or the error its decoding raised)."""
@@ -351,6 +361,9 @@ class RolloutEngine:
         if request.do_sample and request.seed is None:
             # drawn here, in the caller's thread, so torch.manual_seed before a call still fixes its stream
             request.seed = int(torch.randint(0, 2**62, (1,)).item())
+        if self._thread is None and self._driver == threading.get_ident():
+            raise RuntimeError("a request submitted from the thread driving the engine would never be decoded "
+                               "(that thread is waiting on it): submit from the episodes' threads")
         row = _Row(request=request, future=Future())
         with self._wake:
             if self._closed:
@@ -361,8 +374,10 @@ class RolloutEngine:
 
     @property
     def alive(self) -> bool:
-        """False once closed, or in a forked child (threads do not survive a fork)."""
-        return self._thread.is_alive() and not self._closed
+        """False once closed, or (own thread) in a forked child: threads do not survive a fork."""
+        if self._closed:
+            return False
+        return self._thread is None or self._thread.is_alive()
 
     def sample(self, request: SampleRequest) -> Generation:
         return self.submit(request).result()
@@ -370,11 +385,44 @@ class RolloutEngine:
     async def asample(self, request: SampleRequest) -> Generation:
         return await asyncio.wrap_future(self.submit(request))
 
+    def drive(self, futures: Sequence[Future]) -> None:
+        """Return once every future in `futures` (the episodes submitting requests) is done. An `on_caller`
+        engine decodes in this thread meanwhile; one with its own thread just waits. If this thread is
+        interrupted, the requests still queued or decoding fail, so no episode thread waits forever."""
+        import concurrent.futures
+
+        if self._thread is not None:
+            concurrent.futures.wait(futures)
+            return
+        with self._wake:
+            if self._driver is not None:
+                raise RuntimeError("the engine is already being driven by another thread")
+            self._driver = threading.get_ident()
+        try:
+            while self._turn(lambda: all(f.done() for f in futures)):
+                pass
+        except BaseException as exc:
+            self._fail_all(exc)
+            raise
+        finally:
+            self._driver = None
+
     def close(self) -> None:
         with self._wake:
             self._closed = True
             self._wake.notify()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
+        else:  # nothing decodes any more: what is still waiting fails rather than hangs
+            self._fail_all(RuntimeError("the rollout engine was closed before this request was decoded"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._wake:
+            rows, self._queue = [*self._queue, *self._batch.rows], deque()
+            self._batch = _Batch(self.policies)
+        for row in rows:
+            if not row.future.done():
+                row.future.set_exception(exc)
 
     def _gather(self, window: float = 0.002, limit: float = 0.02) -> None:
         """From idle, wait while requests keep arriving (at most `limit` s): episodes started together then
@@ -386,32 +434,40 @@ class RolloutEngine:
             self._wake.wait(window)
 
     def _loop(self) -> None:
-        batch = _Batch(self.policies)
-        while True:
-            with self._wake:
-                while not self._queue and not batch.rows and not self._closed:
-                    self._wake.wait()
-                if self._closed and not self._queue and not batch.rows:
-                    return
-                if not batch.rows:
-                    self._gather()
-                joining = [self._queue.popleft() for _ in range(min(len(self._queue),
-                                                                      self.max_batch - len(batch.rows)))]
-            try:
-                with self.policies.lock, self.policies.inference():
-                    if joining:
-                        batch.join(joining)  # a bad request fails alone: prefills run before the batch is touched
-                    for row in joining:
-                        if row.done and not row.future.done():
-                            row.future.set_result(_result(row))
-                    if batch.rows:
-                        self.steps += 1
-                        self.rows_per_step += len(batch.rows)
-                        batch.step()
-                for row in batch.retire():
-                    row.future.set_result(_result(row))
-            except BaseException as exc:  # noqa: BLE001 - a failed step fails its rows; the loop goes on
-                for row in [*joining, *batch.rows]:
-                    if not row.future.done():
-                        row.future.set_exception(exc)
-                batch = _Batch(self.policies)
+        while self._turn(None):
+            pass
+
+    def _turn(self, finished: Any) -> bool:
+        """Wait for work, then admit queued requests and run one decoding step. False when the loop is over:
+        the engine closed with nothing left, or (driven) `finished()` holds while idle."""
+        batch = self._batch
+        with self._wake:
+            while not self._queue and not batch.rows:
+                if self._closed or (finished is not None and finished()):
+                    return False
+                # driven: look at `finished` again soon (an episode can end without a request to wake us)
+                self._wake.wait(None if finished is None else 0.005)
+            if not batch.rows:
+                self._gather()
+            joining = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch - len(batch.rows)))]
+        try:
+            with self.policies.lock, self.policies.inference():
+                if joining:
+                    batch.join(joining)  # a bad request fails alone: prefills run before the batch is touched
+                for row in joining:
+                    if row.done and not row.future.done():
+                        row.future.set_result(_result(row))
+                if batch.rows:
+                    self.steps += 1
+                    self.rows_per_step += len(batch.rows)
+                    batch.step()
+            for row in batch.retire():
+                row.future.set_result(_result(row))
+        except BaseException as exc:  # noqa: BLE001 - a failed step fails its rows; the loop goes on
+            for row in [*joining, *batch.rows]:
+                if not row.future.done():
+                    row.future.set_exception(exc)
+            self._batch = _Batch(self.policies)
+            if self._thread is None and not isinstance(exc, Exception):
+                raise  # an interrupt of the driving thread stops the drive (which fails what is left)
+        return True

@@ -226,14 +226,16 @@ class AgentPolicies:
         return decode(self, [request])[0]
 
     # ---- the batched rollout engine ------------------------------------------------------------------
-    def start_engine(self, *, max_batch: int = 16) -> RolloutEngine:
+    def start_engine(self, *, max_batch: int = 16, on_caller: bool = False) -> RolloutEngine:
         """Route every later `generate`/`sample` call through a continuously batched engine (concurrent
-        episodes then share each forward pass); returns it. `stop_engine` goes back to one call at a time."""
+        episodes then share each forward pass); returns it. `stop_engine` goes back to one call at a time.
+        `on_caller`: the engine decodes only inside `engine.drive(futures)`, in the thread that calls it (on
+        a CPU, the thread that also trains: see RolloutEngine), rather than on a thread of its own."""
         from .engine import RolloutEngine
 
         with self.lock:
             if self._engine is None or not self._engine.alive:  # not alive: e.g. in a forked child
-                self._engine = RolloutEngine(self, max_batch=max_batch)
+                self._engine = RolloutEngine(self, max_batch=max_batch, on_caller=on_caller)
             return self._engine
 
     def stop_engine(self) -> None:
@@ -242,11 +244,12 @@ class AgentPolicies:
             engine.close()
 
     @contextmanager
-    def batched(self, *, max_batch: int = 16) -> Iterator[RolloutEngine]:
+    def batched(self, *, max_batch: int = 16, on_caller: bool = False) -> Iterator[RolloutEngine]:
         """Run the engine for the body of the block (e.g. around a pool of concurrent rollouts); an engine
-        that was already running is left running."""
+        that was already running is left running (and is what the block gets). With `on_caller`, the block
+        calls `engine.drive(futures)` to decode while its episodes run."""
         running = self._engine is not None and self._engine.alive
-        engine = self.start_engine(max_batch=max_batch)
+        engine = self.start_engine(max_batch=max_batch, on_caller=on_caller)
         try:
             yield engine
         finally:

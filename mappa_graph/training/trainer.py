@@ -210,12 +210,15 @@ class Trainer:
                 results = self.ray.rollout(jobs, progress=lambda: bar.update(1))
                 self.store.add_episodes(r.episode for r in results if r.episode is not None)
             else:  # concurrent episodes share each decoding step (continuous batching, one adapter per row)
-                with self.policies.batched(max_batch=max(self.config.rollout_concurrency, 1)), \
-                        ThreadPoolExecutor(max_workers=self.config.rollout_concurrency) as pool:
-                    results = []
-                    for result in pool.map(lambda job: run_job(graph, job), jobs):
-                        results.append(result)
-                        bar.update(1)
+                # decoded in this thread (drive), the one that trains: on a CPU a second thread running torch
+                # ops would make libgomp stop spin-waiting in both (see RolloutEngine)
+                with self.policies.batched(max_batch=max(self.config.rollout_concurrency, 1), on_caller=True) \
+                        as engine, ThreadPoolExecutor(max_workers=self.config.rollout_concurrency) as pool:
+                    futures = [pool.submit(run_job, graph, job) for job in jobs]
+                    for future in futures:
+                        future.add_done_callback(lambda _: bar.update(1))
+                    engine.drive(futures)
+                    results = [future.result() for future in futures]
         episodes: list[Episode] = []
         self.failed_rollouts = 0
         self.first_rollout_error = None

@@ -7,6 +7,7 @@ import asyncio
 import inspect
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -233,3 +234,59 @@ def test_a_mask_goes_to_the_model_only_while_some_row_has_padding(policies, monk
     assert seen[0] and all(seen)  # the shorter row is padded for the whole decode
     alone = decode(policies, [mixed[0]])[0]
     assert out[0].output_token_ids == alone.output_token_ids
+
+
+def test_an_engine_on_the_callers_thread_decodes_there_and_draws_what_its_own_thread_draws(policies, monkeypatch) -> None:
+    """The trainer drives the engine from the thread that trains (on a CPU a second torch thread slows both):
+    every forward runs in that thread, rows still batch, and the tokens are the threaded engine's."""
+    requests = _requests(policies)
+    try:
+        threaded, _ = _run_staggered(policies, _requests(policies))
+    finally:
+        policies.stop_engine()
+    forward_threads: set[int] = set()
+    forward = policies.model.forward
+
+    def spy(*args, **kwargs):
+        forward_threads.add(threading.get_ident())
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(policies.model, "forward", spy)
+    with policies.batched(max_batch=8, on_caller=True) as engine, \
+            ThreadPoolExecutor(max_workers=8) as pool:
+        futures = [pool.submit(engine.sample, r) for r in requests]
+        engine.drive(futures)
+        driven = [f.result() for f in futures]
+    assert forward_threads == {threading.get_ident()}
+    assert engine.rows_per_step > 2 * engine.steps, "the requests were not decoded together"
+    assert [g.output_token_ids for g in driven] == [g.output_token_ids for g in threaded]
+    assert policies._engine is None  # the block stopped the engine it started
+
+
+def test_an_interrupted_drive_fails_the_waiting_requests_instead_of_hanging_them(policies, monkeypatch) -> None:
+    from mappa_graph.models import engine as engine_module
+
+    def request() -> SampleRequest:
+        return SampleRequest(adapter="coder", prompt_ids=[1, 2, 3], max_new_tokens=50, seed=1)
+
+    engine = policies.start_engine(max_batch=1, on_caller=True)
+    try:
+        class SubmitsFromTheDriver:  # the driving thread waiting on its own request would hang for ever
+            def done(self) -> bool:
+                engine.submit(request())
+                return True
+
+        with pytest.raises(RuntimeError, match="would never be decoded"):
+            engine.drive([SubmitsFromTheDriver()])
+        decoding, queued = engine.submit(request()), engine.submit(request())  # max_batch=1: one waits its turn
+
+        def interrupted(self) -> None:
+            raise KeyboardInterrupt  # Ctrl-C lands in the middle of a step
+
+        monkeypatch.setattr(engine_module._Batch, "step", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            engine.drive([decoding, queued])
+        assert isinstance(decoding.exception(timeout=1), KeyboardInterrupt)
+        assert isinstance(queued.exception(timeout=1), KeyboardInterrupt)
+    finally:
+        policies.stop_engine()

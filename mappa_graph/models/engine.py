@@ -463,7 +463,7 @@ class RolloutEngine:
                     batch.step()
             for row in batch.retire():
                 row.future.set_result(_result(row))
-        except BaseException as exc:  # noqa: BLE001 - a failed step fails its rows; the loop goes on
+        except BaseException as exc:  # a failed step fails its rows; the loop goes on
             for row in [*joining, *batch.rows]:
                 if not row.future.done():
                     row.future.set_exception(exc)

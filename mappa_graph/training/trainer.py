@@ -12,6 +12,7 @@ import logging
 import math
 import random
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -215,8 +216,14 @@ class Trainer:
                 with self.policies.batched(max_batch=max(self.config.rollout_concurrency, 1), on_caller=True) \
                         as engine, ThreadPoolExecutor(max_workers=self.config.rollout_concurrency) as pool:
                     futures = [pool.submit(run_job, graph, job) for job in jobs]
+                    counted = threading.Lock()  # episodes end on the pool's threads
+
+                    def count(_: Any) -> None:
+                        with counted:
+                            bar.update(1)
+
                     for future in futures:
-                        future.add_done_callback(lambda _: bar.update(1))
+                        future.add_done_callback(count)
                     engine.drive(futures)
                     results = [future.result() for future in futures]
         episodes: list[Episode] = []

@@ -388,7 +388,8 @@ class RolloutEngine:
     def drive(self, futures: Sequence[Future]) -> None:
         """Return once every future in `futures` (the episodes submitting requests) is done. An `on_caller`
         engine decodes in this thread meanwhile; one with its own thread just waits. If this thread is
-        interrupted, the requests still queued or decoding fail, so no episode thread waits forever."""
+        interrupted, the engine closes and the requests still queued or decoding fail, so no episode thread
+        waits forever (a later call decodes alone, see `AgentPolicies.generate`)."""
         import concurrent.futures
 
         if self._thread is not None:
@@ -402,6 +403,8 @@ class RolloutEngine:
             while self._turn(lambda: all(f.done() for f in futures)):
                 pass
         except BaseException as exc:
+            with self._wake:
+                self._closed = True  # nothing would decode a request submitted after this
             self._fail_all(exc)
             raise
         finally:

@@ -224,7 +224,12 @@ class Trainer:
 
                     for future in futures:
                         future.add_done_callback(count)
-                    engine.drive(futures)
+                    try:
+                        engine.drive(futures)
+                    except BaseException:  # e.g. Ctrl-C: rollouts not started yet never start
+                        for future in futures:
+                            future.cancel()
+                        raise
                     results = [future.result() for future in futures]
         episodes: list[Episode] = []
         self.failed_rollouts = 0

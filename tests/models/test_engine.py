@@ -278,6 +278,9 @@ def test_an_interrupted_drive_fails_the_waiting_requests_instead_of_hanging_them
 
         with pytest.raises(RuntimeError, match="would never be decoded"):
             engine.drive([SubmitsFromTheDriver()])
+        assert not engine.alive  # a drive that raised leaves an engine nothing decodes for: it is closed
+        policies.stop_engine()
+        engine = policies.start_engine(max_batch=1, on_caller=True)
         decoding, queued = engine.submit(request()), engine.submit(request())  # max_batch=1: one waits its turn
 
         def interrupted(self) -> None:
@@ -288,5 +291,8 @@ def test_an_interrupted_drive_fails_the_waiting_requests_instead_of_hanging_them
             engine.drive([decoding, queued])
         assert isinstance(decoding.exception(timeout=1), KeyboardInterrupt)
         assert isinstance(queued.exception(timeout=1), KeyboardInterrupt)
+        assert not engine.alive  # nothing drives it any more: a later call must not queue and wait
+        with pytest.raises(RuntimeError, match="closed"):
+            engine.submit(request())
     finally:
         policies.stop_engine()

@@ -42,9 +42,12 @@ def _copied(value: Any) -> Any:
         return {k: _copied(v) for k, v in value.items()}
     if kind is list:
         return [_copied(v) for v in value]
-    if kind is str or kind is int or kind is float or kind is bool or value is None:
+    if kind in _SCALARS:
         return value
     return copy.deepcopy(value)
+
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})  # immutable: a copy may share them
 
 
 _LAST = ((9, ""),)  # sorts after every task path: a model call made after the node's subgraph tasks of a step
@@ -109,7 +112,7 @@ class EpisodeBuilder:
         found = self._message_dicts.get(id(message))
         if found is None:
             converted = message_to_dict(message)
-            nested = any(not isinstance(v, str | int | float | bool | None) for v in converted.values())
+            nested = any(type(v) not in _SCALARS for v in converted.values())
             found = self._message_dicts[id(message)] = (converted, nested)
         return _copied(found[0]) if found[1] else dict(found[0])
 

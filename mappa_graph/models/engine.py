@@ -19,8 +19,8 @@ import asyncio
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -390,10 +390,8 @@ class RolloutEngine:
         engine decodes in this thread meanwhile; one with its own thread just waits. If this thread is
         interrupted, the engine closes and the requests still queued or decoding fail, so no episode thread
         waits forever (a later call decodes alone, see `AgentPolicies.generate`)."""
-        import concurrent.futures
-
         if self._thread is not None:
-            concurrent.futures.wait(futures)
+            wait(futures)
             return
         with self._wake:
             if self._driver is not None:
@@ -440,7 +438,7 @@ class RolloutEngine:
         while self._turn(None):
             pass
 
-    def _turn(self, finished: Any) -> bool:
+    def _turn(self, finished: Callable[[], bool] | None) -> bool:
         """Wait for work, then admit queued requests and run one decoding step. False when the loop is over:
         the engine closed with nothing left, or (driven) `finished()` holds while idle."""
         batch = self._batch

@@ -2,7 +2,8 @@
 rewards vs outcome-only rewards, side by side in one run.
 
     .venv/bin/python benchmarks/real_model_learning.py [--quick] [--device cpu|cuda] [--threads 2]
-        [--iterations 12] [--tasks 16] [--group 2] [--eval-every 2] [--eval-rollouts 2] [--out DIR]
+        [--iterations 12] [--tasks 16] [--group 2] [--mini-batches 2] [--no-normalize-per-agent]
+        [--eval-every 1] [--eval-rollouts 2] [--out DIR]
 
 Steps (all figures land in DIR/real_model_learning.json, the curves in DIR/real_model_learning.png):
 1. A short supervised warm start (full fine-tune, cached) teaches SmolLM2 the two output formats ("3+5" and
@@ -15,7 +16,9 @@ Steps (all figures land in DIR/real_model_learning.json, the curves in DIR/real_
    measured once.
 3. Per mode (process: each agent judged on its own step; outcome: the team's final answer for every
    action), fresh adapters train for --iterations iterations of --tasks x --group rollouts, evaluated every
-   --eval-every iterations. Rollouts to reach the target (start + --target-gain, or --target) per mode, and
+   --eval-every iterations. The update follows the MAPPA release's settings where they apply: 2 samples per
+   prompt, optimiser steps of 16 samples per agent (its train batch 16: --mini-batches 2 of each adapter's 32),
+   advantages whitened per agent (its one process group per agent). Rollouts to reach the target (start + --target-gain, or --target) per mode, and
    their ratio process / outcome (goal <= 0.5; a mode that never reaches it counts its whole budget, so the
    ratio is then a bound).
 Wall time of each phase is recorded. Defaults are sized for under 60 minutes on 2 CPU cores.
@@ -59,13 +62,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--group", type=int, default=2, help="rollouts per task per iteration")
     parser.add_argument("--concurrency", type=int, default=16, help="episodes decoded together (batched engine)")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate of the LoRA adapters")
+    parser.add_argument("--mini-batches", type=int, default=2, help="optimiser steps per iteration per adapter "
+                        "(2: steps of 16 samples, the MAPPA release's train batch)")
+    parser.add_argument("--normalize-per-agent", action=argparse.BooleanOptionalAction, default=True,
+                        help="whiten each agent's advantages apart, as the MAPPA release does")
     parser.add_argument("--lora-r", type=int, default=8)
     parser.add_argument("--kl-coef", type=float, default=0.0, help="k1 KL to the base taken off the reward "
                         "(0: no reference pass, a third less compute per update)")
     parser.add_argument("--max-new-tokens", type=int, default=6)
     parser.add_argument("--eval-tasks", type=int, default=110, help="held-out tasks (at most 110 exist)")
     parser.add_argument("--eval-rollouts", type=int, default=2, help="sampled rollouts per held-out task")
-    parser.add_argument("--eval-every", type=int, default=2, help="iterations between held-out evaluations")
+    parser.add_argument("--eval-every", type=int, default=1, help="iterations between held-out evaluations "
+                        "(1: rollouts to the target resolved to one iteration's)")
     parser.add_argument("--target-gain", type=float, default=0.4, help="target = start + this")
     parser.add_argument("--target", type=float, default=None, help="absolute target (overrides --target-gain)")
     parser.add_argument("--warm-steps", type=int, default=30)
@@ -107,18 +115,25 @@ def held_out_success(trainer: Trainer, tasks: list[Task], rollouts: int) -> dict
             "step_accuracy": {a: sum(v) / len(v) for a, v in sorted(steps.items())}}
 
 
+def train_config(mode: str, args: argparse.Namespace, out: Path) -> TrainConfig:
+    """One mode's training settings; the two modes differ only in `reward.mode`."""
+    return TrainConfig(
+        run_name=f"real-{mode}", output_dir=str(out / mode), iterations=args.iterations,
+        tasks_per_iteration=args.tasks, rollouts_per_task=args.group, rollout_concurrency=args.concurrency,
+        seed=args.seed, lr=args.lr, ppo_epochs=1, mini_batches=args.mini_batches,
+        max_new_tokens=args.max_new_tokens, temperature=1.0, kl_coef=args.kl_coef,
+        reward=RewardConfig(mode=mode, normalize_per_agent=args.normalize_per_agent),
+        checkpoint_every=10_000, keep_checkpoints=1,
+    )
+
+
 def make_trainer(mode: str, warm: Path, train: list[Task], held_out: list[Task], args: argparse.Namespace,
                  out: Path) -> Trainer:
     torch.manual_seed(args.seed)  # same adapter initialisation for both modes
     policies = AgentPolicies.from_pretrained(
         str(warm), list(arithmetic.AGENTS), device=args.device,
         lora=LoraSettings(r=args.lora_r, alpha=2 * args.lora_r, target_modules=TARGET_MODULES))
-    config = TrainConfig(
-        run_name=f"real-{mode}", output_dir=str(out / mode), iterations=args.iterations,
-        tasks_per_iteration=args.tasks, rollouts_per_task=args.group, rollout_concurrency=args.concurrency,
-        seed=args.seed, lr=args.lr, ppo_epochs=1, max_new_tokens=args.max_new_tokens, temperature=1.0,
-        kl_coef=args.kl_coef, reward=RewardConfig(mode=mode), checkpoint_every=10_000, keep_checkpoints=1,
-    )
+    config = train_config(mode, args, out)
     graph = partial(arithmetic.team_graph, max_new_tokens=config.max_new_tokens)
     return Trainer(graph, policies, arithmetic.process_judge(), train, config, outcome=arithmetic.outcome,
                    eval_tasks=held_out)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.real_model_learning import _gain, parse_args, rollouts_to_reach
+from benchmarks.real_model_learning import _gain, parse_args, rollouts_to_reach, train_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,6 +38,19 @@ def test_quick_mode_cuts_the_budget_and_eval_tasks_are_bounded() -> None:
     assert quick.eval_tasks * quick.eval_rollouts < full.eval_tasks * full.eval_rollouts
     with pytest.raises(SystemExit):
         parse_args(["--eval-tasks", "111"])  # only 110 tasks are left out of training
+
+
+def test_the_two_modes_train_alike_but_for_the_reward_and_the_update_flags_reach_the_trainer(tmp_path: Path) -> None:
+    args = parse_args(["--mini-batches", "3", "--normalize-per-agent"])
+    process, outcome = train_config("process", args, tmp_path), train_config("outcome", args, tmp_path)
+    assert (process.reward.mode, outcome.reward.mode) == ("process", "outcome")
+    assert process.mini_batches == 3 and process.reward.normalize_per_agent
+    same = {"output_dir", "run_name", "reward"}
+    assert process.model_dump(exclude=same) == outcome.model_dump(exclude=same)
+    assert process.reward.model_dump(exclude={"mode"}) == outcome.reward.model_dump(exclude={"mode"})
+    default = train_config("process", parse_args([]), tmp_path)  # the MAPPA release's train batch and whitening
+    assert default.mini_batches == 2 and default.reward.normalize_per_agent
+    assert not train_config("process", parse_args(["--no-normalize-per-agent"]), tmp_path).reward.normalize_per_agent
 
 
 @pytest.mark.slow

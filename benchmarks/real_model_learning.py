@@ -18,9 +18,9 @@ Steps (all figures land in DIR/real_model_learning.json, the curves in DIR/real_
    action), fresh adapters train for --iterations iterations of --tasks x --group rollouts, evaluated every
    --eval-every iterations. The update follows the MAPPA release's settings where they apply: 2 samples per
    prompt, optimiser steps of 16 samples per agent (its train batch 16: --mini-batches 2 of each adapter's 32),
-   advantages whitened per agent (its one process group per agent). Rollouts to reach the target (start + --target-gain, or --target) per mode, and
-   their ratio process / outcome (goal <= 0.5; a mode that never reaches it counts its whole budget, so the
-   ratio is then a bound).
+   advantages whitened per agent (its one process group per agent). Rollouts to reach the target
+   (start + --target-gain, or --target) per mode, and their ratio process / outcome (goal <= 0.5; a mode
+   that never reaches it counts its whole budget, so the ratio is then a bound).
 Wall time of each phase is recorded. Defaults are sized for under 60 minutes on 2 CPU cores.
 """
 

@@ -134,7 +134,7 @@ def main() -> None:
         tasks_per_iteration=args.tasks_per_iteration, rollouts_per_task=4, rollout_concurrency=8, seed=args.seed,
         # four optimiser steps per epoch: with one, the policy barely moves in three iterations (log-ratio ~1e-3)
         lr=3e-3, ppo_epochs=2, mini_batches=4, max_new_tokens=64,
-        # advantages whitened per agent, as the MAPPA release does: seeds 0/1/2 gained +25/+1/+3 points with it,
+        # advantages whitened per agent, as the MAPPA release does: seeds 0/1/2 gained +22..+25/+1/+3 points with it,
         # +16..+22/-3/0 with the whole batch whitened together (the library's default)
         reward=RewardConfig(filter_zero_signal=False, normalize_per_agent=True),
         # a real model's backward keeps every layer's activations and attention maps: with SmolLM2-135M in

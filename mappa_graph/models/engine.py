@@ -303,6 +303,12 @@ def _result(row: _Row) -> Generation:
                       output_logprobs=row.logprobs, finished=row.finished, top_logprobs=row.tops)
 
 
+def _fail(rows: Sequence[_Row], exc: BaseException) -> None:
+    for row in rows:
+        if not row.future.done():
+            row.future.set_exception(exc)
+
+
 def decode(policies: AgentPolicies, requests: Sequence[SampleRequest]) -> list[Generation]:
     """Decode a fixed set of requests together in the calling thread (the engine without its scheduler)."""
     import torch
@@ -401,29 +407,29 @@ class RolloutEngine:
             while self._turn(lambda: all(f.done() for f in futures)):
                 pass
         except BaseException as exc:
-            with self._wake:
-                self._closed = True  # nothing would decode a request submitted after this
-            self._fail_all(exc)
+            self._stop(exc)  # nothing would decode a request submitted after this
             raise
         finally:
             self._driver = None
 
     def close(self) -> None:
+        if self._thread is None:
+            self._stop(RuntimeError("the rollout engine was closed before this request was decoded"))
+            return
         with self._wake:
             self._closed = True
             self._wake.notify()
-        if self._thread is not None:
-            self._thread.join()
-        else:  # nothing decodes any more: what is still waiting fails rather than hangs
-            self._fail_all(RuntimeError("the rollout engine was closed before this request was decoded"))
+        self._thread.join()  # the loop decodes what is left, then returns
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def _stop(self, exc: BaseException) -> None:
+        """Close an engine with no thread of its own: nothing decodes any more, so what still waits (queued
+        or mid-decode) fails with `exc` rather than hangs."""
         with self._wake:
+            self._closed = True
+            self._wake.notify()
             rows, self._queue = [*self._queue, *self._batch.rows], deque()
             self._batch = _Batch(self.policies)
-        for row in rows:
-            if not row.future.done():
-                row.future.set_exception(exc)
+        _fail(rows, exc)
 
     def _gather(self, window: float = 0.002, limit: float = 0.02) -> None:
         """From idle, wait while requests keep arriving (at most `limit` s): episodes started together then
@@ -465,9 +471,7 @@ class RolloutEngine:
             for row in batch.retire():
                 row.future.set_result(_result(row))
         except BaseException as exc:  # a failed step fails its rows; the loop goes on
-            for row in [*joining, *batch.rows]:
-                if not row.future.done():
-                    row.future.set_exception(exc)
+            _fail([*joining, *batch.rows], exc)
             self._batch = _Batch(self.policies)
             if self._thread is None and not isinstance(exc, Exception):
                 raise  # an interrupt of the driving thread stops the drive (which fails what is left)

@@ -29,12 +29,15 @@ class ToolCall(BaseModel):
 
 
 class ToolResult(BaseModel):
-    """What a tool gave back; `error` is set when the tool raised or refused (sandbox limits, network)."""
+    """What a tool gave back; `error` is set when the tool raised or refused (sandbox limits, network).
+    `interrupt` holds what a tool that paused in `interrupt()` asked (an approval step): control flow, not an
+    error; the call's result comes when the thread resumes (`TraceStore.join_thread` adds it here)."""
 
     tool_call_id: str | None = None
     name: str
     output: str = ""
     error: str | None = None
+    interrupt: Any = None
     latency_s: float | None = None
 
 
@@ -48,7 +51,9 @@ class Action(BaseModel):
     supervisor's worker); `path` is the full node path inside it (`researcher/agent`). LangGraph control flow is
     not failure: `handoff` lists where a Command sent control (a handoff tool, `Command(graph=Command.PARENT)`),
     and `status` is "interrupted" for a node paused by `interrupt()`. A node retried by its RetryPolicy gives one
-    action per `attempt`; a failed attempt has status "error" and trains only when `train_failed` is set.
+    action per `attempt`; a failed attempt has status "error" and trains only when `train_failed` is set, and
+    so does a model call whose node paused in `interrupt()` (the node reruns from its start on resume, so the
+    call's reply was thrown away like a failed attempt's).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -97,7 +102,7 @@ class Action(BaseModel):
     def trainable(self) -> bool:
         # A model call inside a failed attempt is what the retry threw away: not a normal sample to learn from
         # unless the user asked for it (instrument(..., train_failed_attempts=True)).
-        ok = self.status != "error" or self.train_failed
+        ok = self.status == "ok" or self.train_failed
         return ok and self.kind == "llm" and bool(self.output_token_ids) and self.prompt_token_ids is not None
 
 

@@ -22,7 +22,7 @@ from langchain_core.messages import ToolMessage
 from ..messages import MAPPA_KEY, content_text, message_to_dict, to_jsonable
 from ..traces import Action, Episode, ToolCall, ToolResult
 from .courtesy import yield_gil
-from .paths import AgentResolver, is_internal, node_path
+from .paths import AgentResolver, enclosing_ns, is_internal, node_path
 
 # (kind, run_id, parent_run_id, metadata, payload, time, extra); run ids as `UUID.int` (cheap to hash)
 Event = tuple[str, int, "int | None", "Mapping[str, Any] | None", Any, float, Any]
@@ -50,7 +50,7 @@ def _copied(value: Any) -> Any:
 _SCALARS = frozenset({str, int, float, bool, type(None)})  # immutable: a copy may share them
 
 
-_LAST = ((9, ""),)  # sorts after every task path: a model call made after the node's subgraph tasks of a step
+_LAST = ((9, ""),)  # sorts after every task path: a model call made outside any node task, after the step
 
 
 @dataclass
@@ -61,8 +61,10 @@ class _NodeRun:
     children: list[_NodeRun] = field(default_factory=list)
     llm_actions: list[Action] = field(default_factory=list)
     tool_results: list[ToolResult] = field(default_factory=list)
-    last_child_step: int = -1
+    # What ran inside this task, in the order it started: its own model calls, and runs of tasks that
+    # share a graph loop and a step (a Send fan-out, parallel branches, `@task`s called together).
     seq: int = 0
+    last_group: tuple[str, str, int] | None = None
     # The node's input as LangGraph passed it: converted to JSON only if the node's own action is kept (one
     # with model calls or inner nodes is folded into them), so the whole state is not copied per node.
     raw_input: Any = None
@@ -142,11 +144,27 @@ class EpisodeBuilder:
         if is_internal(path):
             return
         attempt = self.attempts[ns] = self.attempts.get(ns, 0) + 1
-        outer = self.node_by_ns.get(ns.rsplit("|", 1)[0]) if "|" in ns else None
+        outer_ns = enclosing_ns(ns)
+        outer = self.node_by_ns.get(outer_ns) if outer_ns is not None else None
         step = meta.get("langgraph_step")
         self.root_seq += 1  # the last tie-break only: same step, same task path, same attempt
         element = (_step(step), _path_key(meta.get("langgraph_path")), attempt, self.root_seq)
-        key = (outer.key if outer is not None else ()) + (element,)
+        if outer is None:
+            key = (element,)
+        else:
+            # Inside a node task things keep the order they started in (a task's body runs in sequence: a
+            # loop over `sub.invoke`, two agents in turn, an agent then a `@task`), except that tasks of one
+            # graph loop's step, which run side by side, go by task path as above whatever thread started
+            # first. The tasks inside a retried task's run are its attempt's.
+            # A group is a graph loop's step: the loop by its namespace with its run counter (`team:<id>|2`)
+            # and by the namespace LangGraph reports as the loop's (which tells a `@task` that an entrypoint
+            # pushes from an agent the entrypoint runs, though both sit below its task).
+            group = (ns.rsplit("|", 1)[0], meta.get("checkpoint_ns") or "", _step(step))
+            if outer.last_group != group:
+                outer.seq += 1
+                outer.last_group = group
+            key = outer.key + ((outer.seq, *element),)
+            attempt = max(attempt, outer.action.attempt)
         action = Action(
             episode_id=self.episode.id,
             kind="node",
@@ -163,7 +181,6 @@ class EpisodeBuilder:
         node_run = _NodeRun(action, key, outer, raw_input=inputs)
         if outer is not None:
             outer.children.append(node_run)
-            outer.last_child_step = max(outer.last_child_step, _step(step))
         else:
             self.root_last_step = max(self.root_last_step, _step(step))
         self.node_by_ns[ns] = self.node_by_run[run_id] = self.node_of_action[action.id] = node_run
@@ -281,7 +298,8 @@ class EpisodeBuilder:
         params = params or {}
         if node_run is not None:
             node_run.seq += 1
-            key = node_run.key + ((node_run.last_child_step, _LAST, 0, node_run.seq),)
+            node_run.last_group = None
+            key = node_run.key + ((node_run.seq,),)
             template = node_run.action
             node, agent, path, attempt = template.node, template.agent, template.path, template.attempt
         else:  # a model called outside any node task (the instrumented runnable is not a graph)
@@ -346,9 +364,13 @@ class EpisodeBuilder:
         self._tool_done(run_id, output, None, at)
 
     def _tool_error(self, run_id: int, parent: Any, meta: Any, error: BaseException, at: float, _: Any) -> None:
-        self._tool_done(run_id, None, _describe(error), at)
+        if isinstance(error, self._interrupt_type):  # a tool that asks a human (an approval step): a pause
+            asked = [record["value"] for record in self._interrupts(error)]
+            self._tool_done(run_id, None, None, at, asked[0] if len(asked) == 1 else asked)
+        else:
+            self._tool_done(run_id, None, _describe(error), at)
 
-    def _tool_done(self, run_id: int, output: Any, error: str | None, at: float) -> None:
+    def _tool_done(self, run_id: int, output: Any, error: str | None, at: float, interrupt: Any = None) -> None:
         if run_id not in self.tool_by_run:
             return
         name, call_id, started, ns = self.tool_by_run.pop(run_id)
@@ -361,7 +383,8 @@ class EpisodeBuilder:
                 error = text
         else:
             text = "" if output is None else content_text(output) if isinstance(output, (str, list)) else str(output)
-        result = ToolResult(tool_call_id=call_id, name=name, output=text, error=error, latency_s=at - started)
+        result = ToolResult(tool_call_id=call_id, name=name, output=text, error=error, interrupt=interrupt,
+                            latency_s=at - started)
         node_run = self.node_by_ns.get(ns) if ns is not None else None
         if node_run is not None:
             node_run.tool_results.append(result)

@@ -20,10 +20,21 @@ AgentsSpec = Mapping[str, str] | Callable[[tuple[str, ...]], str | None]
 
 def node_path(checkpoint_ns: str, root_ns: str | None = None) -> tuple[str, ...]:
     """The node names of a checkpoint namespace, below the instrumented graph's own namespace (set when that
-    graph itself runs inside another graph's node)."""
+    graph itself runs inside another graph's node). The counters LangGraph inserts when one node task runs
+    graphs more than once (`team:<id>|2|draft:<id>`: a loop over `sub.invoke`, two agents called in turn, a
+    retried subgraph node) say which run it was, not where: they are left out of the path."""
     if root_ns and checkpoint_ns.startswith(root_ns + "|"):
         checkpoint_ns = checkpoint_ns[len(root_ns) + 1 :]
-    return tuple(segment.split(":", 1)[0] for segment in checkpoint_ns.split("|"))
+    return tuple(segment.split(":", 1)[0] for segment in checkpoint_ns.split("|") if not segment.isdigit())
+
+
+def enclosing_ns(checkpoint_ns: str) -> str | None:
+    """The namespace of the node task a namespace's graph runs inside (None at the top), past any run counter
+    (`team:<id>` for `team:<id>|2|draft:<id>`)."""
+    parts = checkpoint_ns.split("|")[:-1]
+    while parts and parts[-1].isdigit():
+        parts.pop()
+    return "|".join(parts) or None
 
 
 def is_internal(path: tuple[str, ...]) -> bool:

@@ -310,12 +310,25 @@ def join_episodes(parts: list[Episode]) -> Episode:
     joined.actions = [a.model_copy(deep=True) for part in parts for a in part.actions]
     for i, action in enumerate(joined.actions):
         action.index, action.episode_id = i, joined.id
+    _resume_paused_tool_calls(joined.actions)
     joined.final_state, joined.outcome, joined.ended_at = last.final_state, last.outcome, last.ended_at
     joined.status, joined.interrupts, joined.error = last.status, list(last.interrupts), last.error
     joined.metadata = {**first.metadata, **{k: v for k, v in last.metadata.items() if k != "start_checkpoint_id"},
                        "joined_episode_ids": [part.id for part in parts]}
     joined.metadata.pop("resumed", None)
     return joined
+
+
+def _resume_paused_tool_calls(actions: list[Action]) -> None:
+    """A model call whose tool paused in interrupt() gets, after the paused result, the result the tool gave
+    when the thread resumed (recorded on the rerun tool node's action), so the judge scores the call by it."""
+    paused = {r.tool_call_id: a for a in actions for r in a.tool_results
+              if r.interrupt is not None and r.tool_call_id and a.kind == "llm"}
+    for action in actions if paused else ():
+        for result in action.tool_results:
+            owner = paused.get(result.tool_call_id) if result.interrupt is None else None
+            if owner is not None and owner is not action and result not in owner.tool_results:
+                owner.tool_results.append(result.model_copy())
 
 
 def _episode_rows(episodes: Iterable[Episode]) -> list[tuple[tuple[Any, ...], list[tuple[Any, ...]]]]:

@@ -278,6 +278,80 @@ def interrupt_expected(n: int) -> list[tuple]:
     ]
 
 
+# ---- one node task running graphs several times: a loop over a subgraph, then an agent, retried -------------
+class RunsState(TypedDict, total=False):
+    task: str
+    part: str
+    draft: str
+    brief: str
+    review: str
+
+
+def repeated_runs_app() -> Any:
+    """`team`'s body invokes a compiled subgraph once per part, then a react agent, and fails after all that on
+    its first attempt per task (RetryPolicy): LangGraph numbers the graph runs of one task (`team:<id>|2|...`),
+    the retry's runs included."""
+    failed: set[str] = set()
+    briefer = ScriptedChatModel(script=lambda m: AIMessage(f"brief for {m[-1].content}"))
+    drafter = ScriptedChatModel(script=lambda m: AIMessage(f"draft of {m[-1].content}"))
+    draft = StateGraph(RunsState)
+    draft.add_node("draft", lambda s: {"draft": drafter.invoke([HumanMessage(s["part"])]).content})
+    draft.add_edge(START, "draft")
+    draft.add_edge("draft", END)
+    drafts = draft.compile()
+    reviewer = react_agent("reviewer", lambda m: AIMessage(f"review of {m[-1].content}"), [])
+
+    def team(state: RunsState) -> dict:
+        parts = [drafts.invoke({"part": f"{state['task']}.{i}"})["draft"] for i in range(2)]
+        review = reviewer.invoke({"messages": [HumanMessage(" + ".join(parts))]})["messages"][-1].content
+        if state["task"] not in failed:
+            failed.add(state["task"])
+            raise Flaky("the reviewer timed out")
+        return {"review": review}
+
+    graph = StateGraph(RunsState)
+    graph.add_node("brief", lambda s: {"brief": briefer.invoke([HumanMessage(s["task"])]).content})
+    graph.add_node("team", team, retry_policy=RetryPolicy(max_attempts=2, initial_interval=0.0, jitter=False))
+    graph.add_edge(START, "brief")
+    graph.add_edge("brief", "team")
+    graph.add_edge("team", END)
+    return graph.compile()
+
+
+def repeated_runs_expected(n: int) -> list[tuple]:
+    def attempt(number: int, status: str) -> list[tuple]:
+        return [("team", "team/draft", "llm", f"draft of task-{n}.0", [], number, status),
+                ("team", "team/draft", "llm", f"draft of task-{n}.1", [], number, status),
+                ("team", "team/agent", "llm", f"review of draft of task-{n}.0 + draft of task-{n}.1", [], number,
+                 status)]
+
+    return [("brief", "brief", "llm", f"brief for task-{n}", []), *attempt(1, "error"), *attempt(2, "ok")]
+
+
+# ---- the functional API: an entrypoint runs an agent, then a @task on its answer --------------------------------
+def functional_app() -> Any:
+    from langgraph.func import entrypoint, task
+
+    helper = react_agent("helper", lambda m: AIMessage(f"answer to {m[-1].content}"), [])
+    summarizer = ScriptedChatModel(script=lambda m: AIMessage(f"summary of {m[-1].content}"))
+
+    @task
+    def summarize(text: str) -> str:
+        return summarizer.invoke([HumanMessage(text)]).content
+
+    @entrypoint()
+    def workflow(inputs: dict) -> dict:
+        answer = helper.invoke({"messages": [HumanMessage(inputs["task"])]})["messages"][-1].content
+        return {"summary": summarize(answer).result()}
+
+    return workflow
+
+
+def functional_expected(n: int) -> list[tuple]:
+    return [("workflow", "workflow/agent", "llm", f"answer to task-{n}", []),
+            ("workflow", "workflow/summarize", "llm", f"summary of answer to task-{n}", [])]
+
+
 def message_input(n: int) -> dict:
     return {"messages": [HumanMessage(f"solve task-{n}")]}
 
@@ -292,4 +366,6 @@ APPS: dict[str, tuple[Callable[[], Any], Callable[[int], dict], Callable[[int], 
     "fanout": (fanout_app, task_input, fanout_expected),
     "retry": (retry_app, task_input, retry_expected),
     "interrupt": (interrupt_app, task_input, interrupt_expected),
+    "repeated_runs": (repeated_runs_app, task_input, repeated_runs_expected),
+    "functional": (functional_app, task_input, functional_expected),
 }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mappa_graph.capture.paths import AgentResolver, graph_paths, is_internal, node_path
+from mappa_graph.capture.paths import AgentResolver, enclosing_ns, graph_paths, is_internal, node_path
 from tests.graphs import build_graph
 
 
@@ -13,6 +13,15 @@ def test_node_path_strips_task_ids_and_the_instrumented_graphs_own_namespace() -
     assert node_path("outer:1|team:2|agent:3", root_ns="outer:1") == ("team", "agent")
     assert node_path("planner:77") == ("planner",)
     assert is_internal(("__start__",)) and is_internal(("team", "__start__")) and not is_internal(("team", "agent"))
+
+
+def test_run_counters_of_a_task_that_runs_graphs_again_are_not_node_names() -> None:
+    # the third graph run inside task `team` (a loop over sub.invoke, a retried subgraph node)
+    assert node_path("team:1a|2|draft:9f") == ("team", "draft")
+    assert node_path("team:1a|12|agent:3c|1|tools:4d") == ("team", "agent", "tools")
+    assert enclosing_ns("team:1a|2|draft:9f") == "team:1a"
+    assert enclosing_ns("team:1a|agent:3c") == "team:1a"
+    assert enclosing_ns("team:1a") is None
 
 
 def test_default_agent_is_the_outermost_node_and_the_longest_mapped_prefix_wins() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from langchain_core.messages import BaseMessage
-from langgraph.types import Command, Interrupt
+from langgraph.types import Command, Interrupt, interrupt
 from pydantic import BaseModel
 
 from mappa_graph import TraceStore, instrument
@@ -197,6 +197,54 @@ def test_interrupt_and_resume_are_two_episodes_of_one_thread_joined_in_the_store
         ("write", "ok"), ("review", "interrupted"), ("review", "ok")]
     assert [a.index for a in joined.actions] == [0, 1, 2] and {a.episode_id for a in joined.actions} == {joined.id}
     assert store.count("episodes") == 1 and store.count("actions") == 3
+
+
+def test_a_tool_that_asks_a_human_pauses_the_call_and_its_result_joins_it_on_resume(tmp_path) -> None:
+    from langchain_core.messages import AIMessage
+    from langchain_core.tools import tool
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import START, MessagesState, StateGraph
+
+    from tests.capture.apps import call, message_input, number, react_agent, seen
+
+    @tool
+    def publish(text: str) -> str:
+        """Publish the text once a human approves it."""
+        return f"published ({interrupt({'approve': text})}): {text}"
+
+    def script(messages: list) -> AIMessage:
+        done = seen(messages, "publish")
+        return AIMessage(f"done: {done.content}") if done else call("publish", {"text": "a draft"}, f"p-{number(messages)}")
+
+    team = StateGraph(MessagesState)
+    team.add_node("writer", react_agent("writer", script, [publish]))
+    team.add_edge(START, "writer")
+    store = TraceStore(tmp_path / "t.db")
+    app = instrument(team.compile(checkpointer=InMemorySaver()), store=store)
+    cfg = {"configurable": {"thread_id": "th-2"}}
+    assert app.invoke(message_input(4), cfg)["__interrupt__"][0].value == {"approve": "a draft"}
+    paused = app.last_episode
+    asked = paused.actions[0]
+    assert (paused.status, paused.interrupts) == ("interrupted", [{"approve": "a draft"}])
+    assert [(r.name, r.output, r.error, r.interrupt) for r in asked.tool_results] == [
+        ("publish", "", None, {"approve": "a draft"})]
+    text = build_prompt(paused, asked).messages[1].content
+    assert "paused in interrupt() for human input" in text and "ERROR" not in text and "GraphInterrupt" not in text
+    app.invoke(Command(resume="yes"), cfg)
+    joined = store.join_thread("th-2")
+    asked = joined.actions[0]
+    assert [(r.output, r.error, r.interrupt) for r in asked.tool_results] == [
+        ("", None, {"approve": "a draft"}), ("published (yes): a draft", None, None)]
+    assert joined.actions[-1].output_text == "done: published (yes): a draft"
+
+
+def test_a_model_call_of_a_node_that_paused_is_not_trained_unless_failed_attempts_are() -> None:
+    from mappa_graph.traces import Action
+
+    tokens = {"prompt_token_ids": [1, 2], "output_token_ids": [3], "node": "review", "agent": "review"}
+    assert Action(**tokens).trainable
+    assert not Action(**tokens, status="interrupted").trainable  # the node reruns on resume: a new call
+    assert Action(**tokens, status="interrupted", train_failed=True).trainable
 
 
 def test_a_chain_run_inside_a_tool_is_not_a_second_attempt_of_its_node() -> None:

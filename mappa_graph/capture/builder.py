@@ -68,6 +68,8 @@ class _NodeRun:
     # The node's input as LangGraph passed it: converted to JSON only if the node's own action is kept (one
     # with model calls or inner nodes is folded into them), so the whole state is not copied per node.
     raw_input: Any = None
+    path: tuple[str, ...] = ()
+    boundary: str = ""  # the agent by default: see paths.py
 
 
 class EpisodeBuilder:
@@ -94,6 +96,9 @@ class EpisodeBuilder:
         self.attempts: dict[str, int] = {}
         self.llm_by_run: dict[int, tuple[Action, tuple[Any, ...]]] = {}
         self.tool_by_run: dict[int, tuple[str, str | None, float, str | None]] = {}
+        # Runs inside a tool call (its own run, and the chains and graph runs it starts): the tool's name and
+        # the call's place among its model call's tool calls. A graph a tool runs is a boundary of its own.
+        self.tool_of_run: dict[int, tuple[str, int | None]] = {}
         self.call_owner: dict[str, Action] = {}
         self.order: list[tuple[tuple[Any, ...], Action]] = []
         self.node_of_action: dict[str, _NodeRun] = {}
@@ -138,7 +143,10 @@ class EpisodeBuilder:
         ns, node = meta.get("langgraph_checkpoint_ns"), meta.get("langgraph_node")
         parent_ns = self.ns_of_run.get(parent, ns) if parent is not None else None
         self.ns_of_run[run_id] = ns if ns is not None else parent_ns
+        tool = self.tool_of_run.get(parent) if self.tool_of_run and parent is not None else None
         if ns is None or node is None or ns == parent_ns or ns == self.root_ns:
+            if tool is not None:  # a chain or a graph run inside a tool call: still that call's
+                self.tool_of_run[run_id] = tool
             return  # a run inside a node task (its function, a prompt, a router, a parser, a tool's chain)
         path = node_path(ns, self.root_ns)
         if is_internal(path):
@@ -151,7 +159,18 @@ class EpisodeBuilder:
         element = (_step(step), _path_key(meta.get("langgraph_path")), attempt, self.root_seq)
         if outer is None:
             key = (element,)
+            boundary = path[0]
+        elif tool is not None:
+            # A graph a tool call runs: its path takes the tool's name, and its tasks go by the call's place
+            # among its model call's tool calls (calls run side by side, so their start order varies).
+            path = (*outer.path, tool[0], path[-1])
+            boundary = tool[0] if outer.parent is None else outer.boundary
+            outer.seq += 1
+            outer.last_group = None
+            key = outer.key + (((-1, tool[1]) if tool[1] is not None else (outer.seq, 0), *element),)
+            attempt = max(attempt, outer.action.attempt)
         else:
+            path, boundary = (*outer.path, path[-1]), outer.boundary
             # Inside a node task things keep the order they started in (a task's body runs in sequence: a
             # loop over `sub.invoke`, two agents in turn, an agent then a `@task`), except that tasks of one
             # graph loop's step, which run side by side, go by task path as above whatever thread started
@@ -163,13 +182,13 @@ class EpisodeBuilder:
             if outer.last_group != group:
                 outer.seq += 1
                 outer.last_group = group
-            key = outer.key + ((outer.seq, *element),)
+            key = outer.key + (((outer.seq, 0), *element),)
             attempt = max(attempt, outer.action.attempt)
         action = Action(
             episode_id=self.episode.id,
             kind="node",
             node=path[-1],
-            agent=self.agents(path),
+            agent=self.agents(path, boundary),
             path="/".join(path),
             attempt=attempt,
             train_failed=self.train_failed,
@@ -178,7 +197,7 @@ class EpisodeBuilder:
             parent_id=outer.action.id if outer else None,
             started_at=at,
         )
-        node_run = _NodeRun(action, key, outer, raw_input=inputs)
+        node_run = _NodeRun(action, key, outer, raw_input=inputs, path=path, boundary=boundary)
         if outer is not None:
             outer.children.append(node_run)
         else:
@@ -299,7 +318,7 @@ class EpisodeBuilder:
         if node_run is not None:
             node_run.seq += 1
             node_run.last_group = None
-            key = node_run.key + ((node_run.seq,),)
+            key = node_run.key + (((node_run.seq, 0),),)
             template = node_run.action
             node, agent, path, attempt = template.node, template.agent, template.path, template.attempt
         else:  # a model called outside any node task (the instrumented runnable is not a graph)
@@ -358,6 +377,9 @@ class EpisodeBuilder:
         name, call_id = extra
         # A chain the tool runs (an LLM chain, an agent as a tool) is inside this node task, not a new attempt.
         self.ns_of_run[run_id] = meta.get("langgraph_checkpoint_ns")
+        owner = self.call_owner.get(call_id) if call_id else None
+        place = next((i for i, c in enumerate(owner.tool_calls) if c.id == call_id), None) if owner else None
+        self.tool_of_run[run_id] = (name, place)
         self.tool_by_run[run_id] = (name, call_id, at, meta.get("langgraph_checkpoint_ns"))
 
     def _tool_end(self, run_id: int, parent: Any, meta: Any, output: Any, at: float, _: Any) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from langchain_core.callbacks import BaseCallbackManager
-from langchain_core.runnables import RunnableConfig
+from langchain_core.runnables import Runnable, RunnableConfig
 
 from ..traces import Episode
 from .collector import TraceCollector
@@ -189,7 +189,7 @@ def _drain_workers() -> None:
         worker.shutdown(wait=True)
 
 
-class InstrumentedGraph:
+class InstrumentedGraph(Runnable[Any, Any]):
     """Behaves like the compiled graph it wraps (`invoke`, `ainvoke`, `stream`, `astream`, `batch`, `abatch`,
     and every other attribute by delegation); each call also yields an Episode, kept in `episodes` (the most
     recent `keep` of them) and written to the store when one is given.
@@ -198,6 +198,11 @@ class InstrumentedGraph:
     hot path; `episodes`, `last_episode`, `run_episode`, `flush()` and the store's own reads (`store.episodes()`,
     `count()`, rewards for a just-run episode) wait for it, so nothing is missed, and a failed write is raised
     by whichever of them comes first.
+
+    It is a Runnable itself, so what LangChain builds on a Runnable records too: `with_config`, `with_retry`,
+    `with_fallbacks`, `app | next_step`, `batch_as_completed`, `astream_log`, a tool made with `as_tool`. What
+    describes the graph (its name, schemas, `get_graph()`) and everything else (`get_state`, `update_state`,
+    `checkpointer`, ...) is the wrapped graph's.
 
     `agents` maps node paths (`researcher`, `researcher/agent`; the longest matching prefix wins) to agent
     names, or is a function of the path tuple (`("researcher", "agent")`) returning a name or None for the
@@ -290,6 +295,15 @@ class InstrumentedGraph:
         async for chunk in self.graph.astream(input, cfg, **kwargs):
             yield chunk
 
+    def astream_events(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
+        """The graph's own event stream (any `version`), recorded like `astream`."""
+        cfg, _ = self._config(config)
+        return self.graph.astream_events(input, cfg, **kwargs)
+
+    def stream_events(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
+        cfg, _ = self._config(config)
+        return self.graph.stream_events(input, cfg, **kwargs)
+
     def _batch_configs(self, inputs: Sequence[Any], config: RunnableConfig | Sequence[RunnableConfig] | None):
         if config is None or isinstance(config, Mapping):
             configs = [config] * len(inputs)
@@ -346,7 +360,61 @@ class InstrumentedGraph:
         return output, collector.episodes[-1]
 
     def __getattr__(self, name: str) -> Any:
+        if name == "graph":  # not set yet (a half-built or unpickled wrapper): no delegation loop
+            raise AttributeError(name)
         return getattr(self.graph, name)
+
+    # ---- what describes the graph is the graph's (Runnable's own defaults would shadow __getattr__) -----------
+    @property
+    def name(self) -> str | None:  # type: ignore[override]
+        return self.graph.name
+
+    @property
+    def InputType(self) -> Any:
+        return self.graph.InputType
+
+    @property
+    def OutputType(self) -> Any:
+        return self.graph.OutputType
+
+    @property
+    def input_schema(self) -> Any:
+        return self.graph.input_schema
+
+    @property
+    def output_schema(self) -> Any:
+        return self.graph.output_schema
+
+    @property
+    def config_specs(self) -> Any:
+        return self.graph.config_specs
+
+    def get_name(self, *args: Any, **kwargs: Any) -> str:
+        return self.graph.get_name(*args, **kwargs)
+
+    def get_input_schema(self, *args: Any, **kwargs: Any) -> Any:
+        return self.graph.get_input_schema(*args, **kwargs)
+
+    def get_output_schema(self, *args: Any, **kwargs: Any) -> Any:
+        return self.graph.get_output_schema(*args, **kwargs)
+
+    def get_input_jsonschema(self, *args: Any, **kwargs: Any) -> Any:
+        return self.graph.get_input_jsonschema(*args, **kwargs)
+
+    def get_output_jsonschema(self, *args: Any, **kwargs: Any) -> Any:
+        return self.graph.get_output_jsonschema(*args, **kwargs)
+
+    def config_schema(self, *args: Any, **kwargs: Any) -> Any:
+        return self.graph.config_schema(*args, **kwargs)
+
+    def get_config_jsonschema(self, *args: Any, **kwargs: Any) -> Any:
+        return self.graph.get_config_jsonschema(*args, **kwargs)
+
+    def get_graph(self, *args: Any, **kwargs: Any) -> Any:
+        return self.graph.get_graph(*args, **kwargs)
+
+    def get_prompts(self, *args: Any, **kwargs: Any) -> Any:
+        return self.graph.get_prompts(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"InstrumentedGraph({self.graph!r}, run={self.run!r})"

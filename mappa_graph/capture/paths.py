@@ -4,8 +4,10 @@ A node task's place in a LangGraph run is its checkpoint namespace, `researcher:
 one `name:task id` segment per graph level, outermost first. Its node path is the names alone,
 `("researcher", "agent")`, written `researcher/agent`. By default the agent is the path's first name, the
 outermost node below the instrumented graph: a supervisor's or swarm's worker, a subgraph node, or a plain node
-(whose path has one name). `agents=` changes that with a mapping over paths (the longest matching prefix wins)
-or a function of the path. Never imports torch.
+(whose path has one name). A graph that a tool call runs (LangChain's subagents as tools) is a boundary too: its
+nodes' paths carry the tool's name (`tools/ask_researcher/model`), and when no node above it is a graph of its own,
+the tool is their agent (`ask_researcher`). `agents=` changes that with a mapping over paths (the longest
+matching prefix wins) or a function of the path. Never imports torch.
 """
 
 from __future__ import annotations
@@ -59,34 +61,55 @@ def graph_paths(graph: Any) -> list[str]:
 
 class AgentResolver:
     """Maps a node path to its agent: `agents[path]` for the longest mapped prefix of the path, or
-    `agents(path)` when it is a function (None falls back to the default), else the path's first name."""
+    `agents(path)` when it is a function (None falls back to the default), else the default: the agent boundary
+    the builder found (the path's first name unless a tool call ran the graph)."""
 
     def __init__(self, agents: AgentsSpec | None = None) -> None:
+        if agents is not None and not callable(agents) and not isinstance(agents, Mapping):
+            raise TypeError(f"agents= takes a mapping of node paths to agent names or a function of the path "
+                            f"tuple, got {type(agents).__name__}")
         self.function = agents if callable(agents) and not isinstance(agents, Mapping) else None
         self.mapping = {} if self.function is not None or agents is None else dict(agents)  # type: ignore[arg-type]
-        self._cache: dict[tuple[str, ...], str] = {}
+        bad = {k: v for k, v in self.mapping.items() if not isinstance(k, str) or not isinstance(v, str) or not v}
+        if bad:
+            raise TypeError(f"agents= maps node paths to agent names (non-empty strings); these entries are not: "
+                            f"{', '.join(f'{k!r}: {v!r}' for k, v in bad.items())}")
+        self._cache: dict[tuple[tuple[str, ...], str | None], str] = {}
 
-    def __call__(self, path: tuple[str, ...]) -> str:
-        agent = self._cache.get(path)
+    def __call__(self, path: tuple[str, ...], default: str | None = None) -> str:
+        agent = self._cache.get((path, default))
         if agent is None:
-            agent = self._cache[path] = self._resolve(path)
+            agent = self._cache[(path, default)] = self._resolve(path, default)
         return agent
 
-    def _resolve(self, path: tuple[str, ...]) -> str:
+    def _resolve(self, path: tuple[str, ...], default: str | None) -> str:
         if self.function is not None:
             agent = self.function(path)
             if agent is not None:
-                return str(agent)
+                if not isinstance(agent, str) or not agent:
+                    raise TypeError(f"the agents= function returned {agent!r} for node path {'/'.join(path)!r}; "
+                                    "it must return an agent name (a non-empty string) or None for the default")
+                return agent
         for end in range(len(path), 0, -1):
             agent = self.mapping.get("/".join(path[:end]))
             if agent is not None:
                 return agent
-        return path[0]
+        return default or path[0]
 
     def check(self, graph: Any) -> None:
         """Refuse mapping keys that name no node path of `graph`, naming the paths there are. A key below a
-        node whose inside LangGraph cannot see (a graph built inside the node's function) is accepted when its
-        first name is a node."""
+        node whose inside LangGraph cannot see (a graph built inside the node's function or run by a tool) is
+        accepted when its first name is a node. A function is tried on every path LangGraph can see, so one
+        that raises or returns something other than a name fails here, before any run, not in the trace
+        writer."""
+        if self.function is not None:
+            for path in graph_paths(graph):
+                try:
+                    self._resolve(tuple(path.split("/")), None)
+                except Exception as error:  # the user's function: say where it failed
+                    raise ValueError(f"agents= failed on node path {path!r}: {type(error).__name__}: {error}; "
+                                     "fix the function (it gets the path as a tuple of node names)") from error
+            return
         if not self.mapping:
             return
         paths = graph_paths(graph)

@@ -352,6 +352,43 @@ def functional_expected(n: int) -> list[tuple]:
             ("workflow", "workflow/summarize", "llm", f"summary of answer to task-{n}", [])]
 
 
+# ---- LangChain 1.x subagents as tools: a create_agent orchestrator calls two create_agent subagents at once -----
+def subagent_tools_app() -> Any:
+    from langchain.agents import create_agent
+
+    researcher = create_agent(ScriptedChatModel(script=lambda m: AIMessage(f"research on {m[-1].content}")), [],
+                              name="researcher")
+    writer = create_agent(ScriptedChatModel(script=lambda m: AIMessage(f"prose for {m[-1].content}")), [],
+                          name="writer")
+
+    @tool
+    def ask_researcher(question: str) -> str:
+        """Ask the research subagent."""
+        return researcher.invoke({"messages": [HumanMessage(question)]})["messages"][-1].content
+
+    @tool
+    def ask_writer(request: str) -> str:
+        """Ask the writing subagent."""
+        return writer.invoke({"messages": [HumanMessage(request)]})["messages"][-1].content
+
+    def orchestrate(messages: list[BaseMessage]) -> AIMessage:
+        n = number(messages)
+        answers = [m.content for m in messages if isinstance(m, ToolMessage)]
+        if answers:
+            return AIMessage("final: " + " | ".join(answers))
+        return AIMessage("", tool_calls=[{"name": "ask_researcher", "args": {"question": f"facts task-{n}"}, "id": f"r{n}"},
+                                         {"name": "ask_writer", "args": {"request": f"intro task-{n}"}, "id": f"w{n}"}])
+
+    return create_agent(ScriptedChatModel(script=orchestrate), [ask_researcher, ask_writer], name="orchestrator")
+
+
+def subagent_tools_expected(n: int) -> list[tuple]:
+    return [("model", "model", "llm", "", ["ask_researcher", "ask_writer"]),
+            ("ask_researcher", "tools/ask_researcher/model", "llm", f"research on facts task-{n}", []),
+            ("ask_writer", "tools/ask_writer/model", "llm", f"prose for intro task-{n}", []),
+            ("model", "model", "llm", f"final: research on facts task-{n} | prose for intro task-{n}", [])]
+
+
 def message_input(n: int) -> dict:
     return {"messages": [HumanMessage(f"solve task-{n}")]}
 
@@ -368,4 +405,5 @@ APPS: dict[str, tuple[Callable[[], Any], Callable[[int], dict], Callable[[int], 
     "interrupt": (interrupt_app, task_input, interrupt_expected),
     "repeated_runs": (repeated_runs_app, task_input, repeated_runs_expected),
     "functional": (functional_app, task_input, functional_expected),
+    "subagent_tools": (subagent_tools_app, message_input, subagent_tools_expected),
 }

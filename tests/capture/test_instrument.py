@@ -40,12 +40,33 @@ def test_instrumented_equals_plain_for_every_call_style() -> None:
     assert all(len(e.actions) == 4 and e.error is None for e in app.episodes)
 
 
+def test_what_langchain_builds_on_a_runnable_records_too() -> None:
+    """Entry points the wrapper inherits as a Runnable, or hands the graph with its config: each records one
+    complete episode and returns what the plain graph returns."""
+    from langchain_core.runnables import RunnableLambda
+
+    plain = build_graph().compile()
+    app = instrument(build_graph().compile())
+    last = RunnableLambda(lambda state: state["messages"][-1].content)
+    calls = {
+        "with_config": lambda g: g.with_config(recursion_limit=50).invoke(task_input(1))["messages"][-1].content,
+        "with_retry": lambda g: g.with_retry().invoke(task_input(2))["messages"][-1].content,
+        "pipe": lambda g: (g | last).invoke(task_input(3)),
+        "batch_as_completed": lambda g: [o["messages"][-1].content for _, o in g.batch_as_completed([task_input(4)])],
+        "astream_events": lambda g: asyncio.run(_last_event(g.astream_events(task_input(5), version="v2"))),
+    }
+    for name, call in calls.items():
+        before = len(app.episodes)
+        assert call(app) == call(plain), name
+        assert len(app.episodes) == before + 1, name
+        assert len(app.last_episode.actions) == 4 and app.last_episode.error is None, name
+    assert app.name == plain.name and app.get_graph().nodes.keys() == plain.get_graph().nodes.keys()
+    assert app.get_input_jsonschema() == plain.get_input_jsonschema()
 
 
-
-
-
-
+async def _last_event(events) -> str:
+    found = [e["name"] async for e in events if e["event"] == "on_chain_end"]
+    return found[-1]
 
 
 def test_user_callbacks_are_kept() -> None:

@@ -46,3 +46,22 @@ def test_paths_of_a_plain_graph_and_the_refusal_names_them() -> None:
     AgentResolver({"coder": "analyst"}).check(graph)
     with pytest.raises(ValueError, match=r"unknown node 'planer' in agents= \(graph node paths: planner, coder, tools\)"):
         AgentResolver({"planer": "p"}).check(graph)
+
+
+def test_agent_names_that_are_not_names_are_refused_before_any_run() -> None:
+    graph = build_graph().compile()
+    with pytest.raises(TypeError, match=r"agents= maps node paths to agent names .*'coder': 5"):
+        AgentResolver({"coder": 5})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="agents= takes a mapping"):
+        AgentResolver(["coder"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"agents= failed on node path 'planner': KeyError"):
+        AgentResolver(lambda path: {"coder": "c"}[path[0]]).check(graph)
+    with pytest.raises(ValueError, match=r"node path 'planner': TypeError: the agents= function returned 7"):
+        AgentResolver(lambda path: 7).check(graph)
+    AgentResolver(lambda path: "team" if path[0] != "tools" else None).check(graph)
+
+
+def test_a_graph_a_tool_runs_is_its_own_agent_unless_mapped() -> None:
+    resolve = AgentResolver({"tools/ask_writer": "writer"})
+    assert resolve(("tools", "ask_researcher", "model"), "ask_researcher") == "ask_researcher"
+    assert resolve(("tools", "ask_writer", "model"), "ask_writer") == "writer"

@@ -473,6 +473,8 @@ def _tool_message_of(command: Any, call_id: str | None) -> ToolMessage | None:
 
 
 def _describe(error: BaseException) -> str:
+    if isinstance(error, GeneratorExit):  # `break` out of `stream()`: LangGraph closes the run where it was
+        return "cut short: the caller stopped reading the stream before the run ended (GeneratorExit)"
     return f"{type(error).__name__}: {error}"
 
 

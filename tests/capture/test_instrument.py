@@ -244,3 +244,12 @@ def test_the_store_waits_for_background_episodes_before_answering(tmp_path) -> N
         assert ep.actions[-1].output_text == f"task-{n} answer: {n + 100}"
         store.add_rewards([Reward(action_id=ep.actions[0].id, episode_id=ep.id, agent="planner", judge="j", score=1.0)])
     assert len(store.rewards()) == 6
+
+
+def test_a_stream_the_caller_stops_reading_gives_an_episode_that_says_so() -> None:
+    app = instrument(build_graph().compile())
+    for _ in app.stream(task_input(2), stream_mode="updates"):
+        break
+    episode = app.last_episode
+    assert episode.status == "error" and episode.error.startswith("cut short: the caller stopped reading the stream")
+    assert [a.node for a in episode.actions] == ["planner"]

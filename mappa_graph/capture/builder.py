@@ -103,6 +103,7 @@ class EpisodeBuilder:
         self.order: list[tuple[tuple[Any, ...], Action]] = []
         self.node_of_action: dict[str, _NodeRun] = {}
         self.interrupts: dict[str, Any] = {}  # by interrupt id: one interrupt bubbles through every level
+        self.failed: list[tuple[_NodeRun, int, str]] = []  # failed node tasks: (task, its attempt, the error)
         self.root_seq = 0
         self.root_last_step = -1
         self.episode: Episode | None = None
@@ -253,7 +254,7 @@ class EpisodeBuilder:
                 self._mark(node_run, "interrupted", None, inner=False)
             else:
                 action.status, action.error = "error", _describe(error)
-                self._mark(node_run, "error", action.error)
+                self.failed.append((node_run, self.attempts.get(action.checkpoint_ns or "", 1), action.error))
         if run_id == self.root:
             if isinstance(error, self._interrupt_type):  # no checkpointer: the interrupt reaches the caller
                 self._interrupts(error)
@@ -266,10 +267,19 @@ class EpisodeBuilder:
         if (extra or {}).get("checkpoint_id"):
             self.episode.metadata["end_checkpoint_id"] = extra["checkpoint_id"]
 
+    def _mark_failed(self) -> None:
+        """A node task that failed and was retried takes every model call made inside it along, its inner
+        nodes' included: they are what the retry threw away. One that failed for good (no retry, or its last
+        attempt) ended the run: only the calls it made itself are marked; inner nodes that had finished keep
+        their status, as the same nodes do at the top level."""
+        for node_run, attempt, error in self.failed:
+            retried = self.attempts.get(node_run.action.checkpoint_ns or "", 0) > attempt
+            self._mark(node_run, "error", error, inner=retried)
+
     def _mark(self, node_run: _NodeRun, status: str, error: str | None, *, inner: bool = True) -> None:
-        """A node task that failed takes every model call made inside it along, its inner nodes' included:
-        they are what the retry threw away. One that paused in interrupt() takes only its own calls (the
-        node reruns on resume; inner nodes that finished are kept by the subgraph's checkpoint)."""
+        """Mark the model calls made inside a node task (and with `inner`, its inner nodes' and theirs) that
+        are still "ok". One that paused in interrupt() takes only its own calls (the node reruns on resume;
+        inner nodes that finished are kept by the subgraph's checkpoint)."""
         for action in node_run.llm_actions:
             if action.status == "ok":
                 action.status = status  # type: ignore[assignment]
@@ -418,14 +428,18 @@ class EpisodeBuilder:
     # ---- the episode ----------------------------------------------------------------------------------------
     def _finish(self) -> Episode:
         episode = self.episode
+        self._mark_failed()
         kept: list[Action] = []
         for _, action in sorted(self.order, key=lambda item: item[0]):
             if action.kind == "node":
                 node_run = self.node_of_action[action.id]
                 action.tool_results = node_run.tool_results
                 # A node whose model calls or inner nodes are recorded needs no action of its own; one with
-                # neither (a ToolNode, plain code) still shows, so the judge sees the whole team's work.
-                if node_run.llm_actions or node_run.children:
+                # neither (a ToolNode, plain code) still shows, so the judge sees the whole team's work. So
+                # does one holding a tool result no model call of this episode asked for (a subagent tool
+                # rerun on resume): `join_episodes` gives it to the call that asked, in an earlier episode.
+                orphans = any(r.tool_call_id and r.tool_call_id not in self.call_owner for r in node_run.tool_results)
+                if (node_run.llm_actions or node_run.children) and not orphans:
                     for llm_action in node_run.llm_actions:
                         llm_action.node_output = action.node_output
                         llm_action.handoff = llm_action.handoff or action.handoff

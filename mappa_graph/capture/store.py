@@ -12,7 +12,7 @@ import json
 import sqlite3
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -245,11 +245,19 @@ class TraceStore:
             raise ValueError(f"unknown table {table!r} (tables: episodes, actions, rewards)")
         return int(self._query(f"SELECT COUNT(*) FROM {table}")[0][0])
 
-    def join_thread(self, thread_id: str, *, run: str | None = None) -> Episode:
+    def join_thread(self, thread_id: str, *, run: str | None = None,
+                    episode_ids: Sequence[str] | None = None) -> Episode:
         """Replace the episodes of a thread (a call that paused in interrupt() and the calls that resumed it) by
         one Episode, `join_episodes` of them, moving their rewards along; returns it. Call it once the thread is
-        done and before judging, so the judge sees the whole run and the trainer trains it as one episode."""
+        done and before judging, so the judge sees the whole run and the trainer trains it as one episode.
+        `episode_ids` picks the episodes of one branch of a thread that time travel forked (in run order)."""
         parts = self.episodes(thread_id=thread_id, run=run)
+        if episode_ids is not None:
+            found = {part.id: part for part in parts}
+            missing = [i for i in episode_ids if i not in found]
+            if missing:
+                raise KeyError(f"episodes {missing} are not episodes of thread {thread_id!r}")
+            parts = [found[i] for i in episode_ids]
         if not parts:
             raise KeyError(f"no episodes of thread {thread_id!r}" + (f" in run {run!r}" if run else ""))
         joined = join_episodes(parts)
@@ -305,12 +313,19 @@ def join_episodes(parts: list[Episode]) -> Episode:
     stays in the transcript as paused, before its rerun on resume: that is what happened."""
     if not parts:
         raise ValueError("join_episodes needs at least one episode")
+    for before, after in zip(parts, parts[1:]):
+        ended, starts = before.metadata.get("end_checkpoint_id"), after.metadata.get("start_checkpoint_id")
+        if ended and starts and ended != starts:
+            raise ValueError(
+                f"episode {after.id} starts from checkpoint {starts}, not where episode {before.id} ended "
+                f"({ended}): time travel or a second resume from one checkpoint forked this thread. Join the "
+                "episodes of one branch: join_thread(thread_id, episode_ids=[...]) or join_episodes([...])")
     first, last = parts[0], parts[-1]
     joined = first.model_copy(deep=True)
     joined.actions = [a.model_copy(deep=True) for part in parts for a in part.actions]
     for i, action in enumerate(joined.actions):
         action.index, action.episode_id = i, joined.id
-    _resume_paused_tool_calls(joined.actions)
+    _give_resumed_results(joined.actions)
     joined.final_state, joined.outcome, joined.ended_at = last.final_state, last.outcome, last.ended_at
     joined.status, joined.interrupts, joined.error = last.status, list(last.interrupts), last.error
     joined.metadata = {**first.metadata, **{k: v for k, v in last.metadata.items() if k != "start_checkpoint_id"},
@@ -319,16 +334,19 @@ def join_episodes(parts: list[Episode]) -> Episode:
     return joined
 
 
-def _resume_paused_tool_calls(actions: list[Action]) -> None:
-    """A model call whose tool paused in interrupt() gets, after the paused result, the result the tool gave
-    when the thread resumed (recorded on the rerun tool node's action), so the judge scores the call by it."""
-    paused = {r.tool_call_id: a for a in actions for r in a.tool_results
-              if r.interrupt is not None and r.tool_call_id and a.kind == "llm"}
-    for action in actions if paused else ():
+def _give_resumed_results(actions: list[Action]) -> None:
+    """A model call whose tool call got its result only after the thread resumed (the tool paused in
+    interrupt(), or an approval step paused the run before the tool ran) gets that result, after any paused
+    one, from the action of a later call that recorded it: the judge scores a tool call by its result."""
+    waiting: dict[str, Action] = {}  # tool call id -> the model call that asked and has no result yet
+    for action in actions:
         for result in action.tool_results:
-            owner = paused.get(result.tool_call_id) if result.interrupt is None else None
-            if owner is not None and owner is not action and result not in owner.tool_results:
+            owner = waiting.pop(result.tool_call_id, None) if result.interrupt is None and result.tool_call_id else None
+            if owner is not None and owner is not action:
                 owner.tool_results.append(result.model_copy())
+        if action.kind == "llm":
+            done = {r.tool_call_id for r in action.tool_results if r.interrupt is None}
+            waiting.update({c.id: action for c in action.tool_calls if c.id and c.id not in done})
 
 
 def _episode_rows(episodes: Iterable[Episode]) -> list[tuple[tuple[Any, ...], list[tuple[Any, ...]]]]:

@@ -306,3 +306,133 @@ def test_a_node_that_hands_off_with_command_parent_keeps_its_model_call_and_targ
         ("team", "team/lead", "llm", "ok", ["reviewer"], None),
         ("reviewer", "reviewer", "llm", "ok", None, None)]
     assert ep.actions[0].output_text == "note on task-4" and ep.status == "ok"
+
+
+def _mailer(checkpointer: Any = None) -> Any:
+    """A create_agent whose tool call a human approves first (HumanInTheLoopMiddleware pauses the run after the
+    model, before the tool runs)."""
+    from langchain.agents import create_agent
+    from langchain.agents.middleware import HumanInTheLoopMiddleware
+    from langchain_core.messages import AIMessage
+    from langchain_core.tools import tool
+
+    from tests.capture.apps import call, number, seen
+    from tests.fakes import ScriptedChatModel
+
+    @tool
+    def send_email(to: str) -> str:
+        """Send an email."""
+        return f"sent to {to}"
+
+    def script(messages: list) -> AIMessage:
+        sent = seen(messages, "send_email")
+        return AIMessage(f"done: {sent.content}") if sent else call("send_email", {"to": f"bob-{number(messages)}"},
+                                                                    f"e-{number(messages)}")
+
+    return create_agent(ScriptedChatModel(script=script), [send_email], name="mailer", checkpointer=checkpointer,
+                        middleware=[HumanInTheLoopMiddleware(interrupt_on={"send_email": True})])
+
+
+def test_a_tool_call_a_human_approved_gets_its_result_when_the_thread_is_joined(tmp_path) -> None:
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    from tests.capture.apps import message_input
+
+    store = TraceStore(tmp_path / "t.db")
+    app = instrument(_mailer(InMemorySaver()), store=store)
+    cfg = {"configurable": {"thread_id": "mail"}}
+    app.invoke(message_input(2), cfg)
+    app.invoke(Command(resume={"decisions": [{"type": "approve"}]}), cfg)
+    joined = store.join_thread("mail")
+    asked = next(a for a in joined.actions if a.tool_calls)
+    assert [(r.tool_call_id, r.output) for r in asked.tool_results] == [("e-2", "sent to bob-2")]
+    assert [a for a in joined.actions if a.kind == "llm"][-1].output_text == "done: sent to bob-2"
+
+
+def test_a_subagent_tool_that_paused_gives_its_result_to_the_call_that_asked(tmp_path) -> None:
+    from langchain.agents import create_agent
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    from tests.capture.apps import message_input, number
+    from tests.fakes import ScriptedChatModel
+
+    mailer = _mailer()
+
+    @tool
+    def ask_mailer(request: str) -> str:
+        """Ask the mail subagent."""
+        return "mailer: " + mailer.invoke({"messages": [HumanMessage(request)]})["messages"][-1].content
+
+    def orchestrate(messages: list) -> AIMessage:
+        done = [m.content for m in messages if isinstance(m, ToolMessage)]
+        return AIMessage(f"final {done[0]}") if done else AIMessage("", tool_calls=[
+            {"name": "ask_mailer", "args": {"request": f"mail task-{number(messages)}"}, "id": "m-1"}])
+
+    store = TraceStore(tmp_path / "t.db")
+    app = instrument(create_agent(ScriptedChatModel(script=orchestrate), [ask_mailer], checkpointer=InMemorySaver()),
+                     store=store)
+    cfg = {"configurable": {"thread_id": "orch"}}
+    app.invoke(message_input(3), cfg)
+    app.invoke(Command(resume={"decisions": [{"type": "approve"}]}), cfg)
+    joined = store.join_thread("orch")
+    asked = joined.actions[0]
+    assert (asked.agent, asked.tool_calls[0].name) == ("model", "ask_mailer")
+    assert [r.output for r in asked.tool_results] == ["", "mailer: done: sent to bob-3"]  # paused, then resumed
+    assert asked.tool_results[0].interrupt is not None
+    assert [a for a in joined.actions if a.kind == "llm"][-1].output_text == "final mailer: done: sent to bob-3"
+    assert {a.agent for a in joined.actions if a.path and "/" in a.path} == {"ask_mailer"}
+
+
+def test_join_refuses_a_thread_that_time_travel_forked_and_joins_one_branch(tmp_path) -> None:
+    store = TraceStore(tmp_path / "t.db")
+    app = instrument(interrupt_app(), store=store)
+    cfg = {"configurable": {"thread_id": "fork"}}
+    app.invoke(task_input(5), cfg)
+    paused_at = app.get_state(cfg).config
+    app.invoke(Command(resume="yes"), cfg)
+    app.invoke(Command(resume="yes"), paused_at)  # resume again from the paused checkpoint: a second branch
+    paused, first, second = sorted(store.episodes(thread_id="fork"), key=lambda e: e.started_at)
+    assert first.metadata["start_checkpoint_id"] == second.metadata["start_checkpoint_id"]
+    with pytest.raises(ValueError, match=f"episode {second.id} starts from checkpoint .* forked this thread"):
+        store.join_thread("fork")
+    joined = store.join_thread("fork", episode_ids=[paused.id, second.id])
+    assert joined.metadata["joined_episode_ids"] == [paused.id, second.id]
+    assert [(a.node, a.status) for a in joined.actions] == [("write", "ok"), ("review", "interrupted"), ("review", "ok")]
+    assert sorted(e.id for e in store.episodes(thread_id="fork")) == sorted([joined.id, first.id])
+
+
+def test_a_worker_that_fails_for_good_keeps_what_it_finished_and_a_retried_one_does_not() -> None:
+    from langchain_core.messages import AIMessage
+    from langchain_core.tools import tool
+    from langgraph.graph import START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode
+
+    from tests.capture.apps import call, message_input, number, react_agent
+
+    @tool
+    def fetch(query: str) -> str:
+        """Fetch a page."""
+        raise ConnectionError("network down")
+
+    def build(retry: Any) -> Any:
+        worker = react_agent("researcher", lambda m: call("fetch", {"query": "q"}, f"f-{number(m)}"),
+                             ToolNode([fetch], handle_tool_errors=False))
+        team = StateGraph(MessagesState)
+        team.add_node("researcher", worker, retry_policy=retry)
+        team.add_edge(START, "researcher")
+        return instrument(team.compile())
+
+    from langgraph.types import RetryPolicy
+
+    for retry, statuses in ((None, ["ok", "error"]),
+                            (RetryPolicy(max_attempts=2, initial_interval=0.0, jitter=False,
+                                         retry_on=ConnectionError), ["error", "error", "ok", "error"])):
+        app = build(retry)
+        with pytest.raises(ConnectionError):
+            app.invoke(message_input(1))
+        episode = app.last_episode
+        assert [(a.path, a.status) for a in episode.actions] == list(zip(
+            ["researcher/agent", "researcher/tools"] * len(statuses), statuses)), retry
+        assert episode.status == "error"

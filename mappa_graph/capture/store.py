@@ -14,6 +14,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -313,7 +314,7 @@ def join_episodes(parts: list[Episode]) -> Episode:
     stays in the transcript as paused, before its rerun on resume: that is what happened."""
     if not parts:
         raise ValueError("join_episodes needs at least one episode")
-    for before, after in zip(parts, parts[1:]):
+    for before, after in pairwise(parts):
         ended, starts = before.metadata.get("end_checkpoint_id"), after.metadata.get("start_checkpoint_id")
         if ended and starts and ended != starts:
             raise ValueError(

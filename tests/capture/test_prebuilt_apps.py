@@ -404,7 +404,6 @@ def test_join_refuses_a_thread_that_time_travel_forked_and_joins_one_branch(tmp_
 
 
 def test_a_worker_that_fails_for_good_keeps_what_it_finished_and_a_retried_one_does_not() -> None:
-    from langchain_core.messages import AIMessage
     from langchain_core.tools import tool
     from langgraph.graph import START, MessagesState, StateGraph
     from langgraph.prebuilt import ToolNode

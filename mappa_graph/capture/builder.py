@@ -168,17 +168,17 @@ class EpisodeBuilder:
             boundary = tool[0] if outer.parent is None else outer.boundary
             outer.seq += 1
             outer.last_group = None
-            key = outer.key + (((-1, tool[1]) if tool[1] is not None else (outer.seq, 0), *element),)
+            place = (-1, tool[1]) if tool[1] is not None else (outer.seq, 0)  # no model call asked: as it started
+            key = outer.key + ((place, *element),)
             attempt = max(attempt, outer.action.attempt)
         else:
             path, boundary = (*outer.path, path[-1]), outer.boundary
             # Inside a node task things keep the order they started in (a task's body runs in sequence: a
-            # loop over `sub.invoke`, two agents in turn, an agent then a `@task`), except that tasks of one
-            # graph loop's step, which run side by side, go by task path as above whatever thread started
-            # first. The tasks inside a retried task's run are its attempt's.
-            # A group is a graph loop's step: the loop by its namespace with its run counter (`team:<id>|2`)
-            # and by the namespace LangGraph reports as the loop's (which tells a `@task` that an entrypoint
-            # pushes from an agent the entrypoint runs, though both sit below its task).
+            # loop over `sub.invoke`, two agents in turn, an agent then a `@task`), except that the tasks of
+            # one step of one graph loop run side by side and go by task path as above. A loop is known by its
+            # namespace with its run counter (`team:<id>|2`) and by the one LangGraph reports as the loop's
+            # (a `@task` an entrypoint pushes and an agent the entrypoint runs share the first). The tasks
+            # inside a retried task's run are its attempt's.
             group = (ns.rsplit("|", 1)[0], meta.get("checkpoint_ns") or "", _step(step))
             if outer.last_group != group:
                 outer.seq += 1

@@ -4,6 +4,7 @@ rewards vs outcome-only rewards, side by side in one run.
     .venv/bin/python benchmarks/real_model_learning.py [--quick] [--device cpu|cuda] [--threads 2]
         [--iterations 12] [--tasks 16] [--group 2] [--mini-batches 2] [--no-normalize-per-agent]
         [--eval-every 1] [--eval-rollouts 2] [--out DIR]
+    .venv/bin/python benchmarks/real_model_learning.py --combine DIR_SEED0 DIR_SEED1 ... [--out DIR]
 
 Steps (all figures land in DIR/real_model_learning.json, the curves in DIR/real_model_learning.png):
 1. A short supervised warm start (full fine-tune, cached) teaches SmolLM2 the two output formats ("3+5" and
@@ -21,7 +22,9 @@ Steps (all figures land in DIR/real_model_learning.json, the curves in DIR/real_
    advantages whitened per agent (its one process group per agent). Rollouts to reach the target
    (start + --target-gain, or --target) per mode, and their ratio process / outcome (goal <= 0.5; a mode
    that never reaches it counts its whole budget, so the ratio is then a bound).
-Wall time of each phase is recorded. Defaults are sized for under 60 minutes on 2 CPU cores.
+Wall time of each phase is recorded. Defaults are sized for under 60 minutes on 2 CPU cores. One seed's
+ratio moves with its evaluation noise (each point +- 0.03, read at steps of 32 rollouts) and its warm start:
+`--combine` puts runs on several seeds together, on the mean of their curves.
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warm-lr", type=float, default=5e-5)
     parser.add_argument("--warm-noise", type=float, default=0.6, help="share of warm-start replies with a slip")
     parser.add_argument("--out", default="runs/real_model_learning")
+    parser.add_argument("--combine", nargs="+", metavar="DIR", help="no training: the --out folders of runs on "
+                        "several --seed values, as one figure (mean curves, and each seed's own)")
     args = parser.parse_args(argv)
     if args.quick:  # the training and evaluation cut to a few minutes on one thread; the warm start is the
         # full run's (cached, so they share it: fewer steps leave SmolLM2 without the formats and every figure 0)
@@ -166,8 +171,78 @@ def rollouts_to_reach(curve: list[dict[str, Any]], target: float) -> int | None:
     return next((p["rollouts"] for p in curve if p["success"] >= target), None)
 
 
+def compare(curves: dict[str, list[dict[str, Any]]], target: float,
+            budget: int) -> tuple[dict[str, int | None], float | None, str]:
+    """Rollouts each mode needed to reach the target, their ratio process / outcome, and what kind of figure
+    that ratio is: process never reaching the target leaves no ratio; outcome never reaching it, a bound."""
+    reached = {m: rollouts_to_reach(curves[m], target) for m in MODES}
+    needed = {m: reached[m] if reached[m] is not None else budget for m in MODES}
+    ratio = needed["process"] / needed["outcome"] if reached["process"] is not None and needed["outcome"] else None
+    kind = ("measured" if all(reached[m] is not None for m in MODES)
+            else "upper bound (outcome-only never reached the target)" if reached["process"] is not None
+            else "undefined (process rewards never reached the target)")
+    return reached, ratio, kind
+
+
+def combine(folders: list[str], out: Path) -> dict[str, Any]:
+    """Runs of the same settings on several seeds, as one figure: the seeds' mean held-out curve per mode (its
+    noise is a single run's over the square root of the seed count), the target the mean start + the runs'
+    --target-gain, and the ratio on those mean curves, beside each seed's own."""
+    runs = [json.loads((Path(f) / "real_model_learning.json").read_text()) for f in folders]
+    keep = ("model", "iterations", "tasks", "group", "mini_batches", "normalize_per_agent", "lr", "eval_every",
+            "eval_tasks", "eval_rollouts", "target_gain", "target")
+    settings = [{k: r["settings"].get(k) for k in keep} for r in runs]
+    if any(s != settings[0] for s in settings[1:]):
+        raise SystemExit(f"--combine needs runs of the same settings but the seed; got {settings}")
+    steps = [[p["rollouts"] for p in r["curves"][m]] for r in runs for m in MODES]
+    if any(x != steps[0] for x in steps[1:]):
+        raise SystemExit("--combine needs runs evaluated at the same rollouts")
+    n = len(runs)
+
+    def mean_point(points: list[dict[str, Any]]) -> dict[str, Any]:
+        success = sum(p["success"] for p in points) / n
+        se = math.sqrt(sum(p["se_binomial"] ** 2 for p in points)) / n
+        return {"rollouts": points[0]["rollouts"], "success": success, "se_binomial": se,
+                "episodes": sum(p["episodes"] for p in points)}
+
+    curves = {m: [mean_point([r["curves"][m][i] for r in runs]) for i in range(len(steps[0]))] for m in MODES}
+    start = curves[MODES[0]][0]
+    given = settings[0]["target"]
+    target = given if given is not None else min(start["success"] + settings[0]["target_gain"], 1.0)
+    budget = runs[0]["budget_rollouts"]
+    reached, ratio, kind = compare(curves, target, budget)
+    figures = {
+        "model": f"{runs[0]['model']} (mean of {n} seeds)", "seeds": [r["settings"]["seed"] for r in runs],
+        "folders": folders, "target": target, "budget_rollouts": budget, "before": start,
+        "after": {m: curves[m][-1] for m in MODES}, "gain": {m: _gain(start, curves[m][-1]) for m in MODES},
+        "rollouts_to_target": reached, "ratio_process_over_outcome": ratio, "ratio_kind": kind, "curves": curves,
+        "per_seed": [{"seed": r["settings"]["seed"], "before": r["before"]["success"], "target": r["target"],
+                      "after": {m: r["after"][m]["success"] for m in MODES},
+                      "rollouts_to_target": r["rollouts_to_target"], "ratio": r["ratio_process_over_outcome"],
+                      "ratio_kind": r["ratio_kind"], "wall_s": r["seconds"]["wall"]} for r in runs],
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "real_model_learning_combined.json").write_text(json.dumps(figures, indent=1))
+    _plot(figures, out / "real_model_learning_combined.png")
+    print(f"{n} seeds, each its own warm start, draws and held-out sample (per seed: before -> after, rollouts "
+          "to its own target, ratio):")
+    for row in figures["per_seed"]:
+        ratio_text = f"{row['ratio']:.2f} ({row['ratio_kind']})" if row["ratio"] is not None else row["ratio_kind"]
+        print(f"  seed {row['seed']}: {row['before']:.3f} -> process {row['after']['process']:.3f} / outcome "
+              f"{row['after']['outcome']:.3f}; rollouts {row['rollouts_to_target']}; ratio {ratio_text}")
+    print(f"mean curves: before {start['success']:.3f} +- {start['se_binomial']:.3f}; after process "
+          f"{curves['process'][-1]['success']:.3f}, outcome {curves['outcome'][-1]['success']:.3f}; target "
+          f"{target:.3f}: process {reached['process']}, outcome {reached['outcome']} rollouts")
+    print(f"ratio process / outcome on the mean curves: {ratio:.2f} ({kind}; goal <= 0.5)" if ratio is not None
+          else f"ratio process / outcome on the mean curves: n/a ({kind})")
+    print(f"wrote {out / 'real_model_learning_combined.json'} and {out / 'real_model_learning_combined.png'}")
+    return figures
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.combine:
+        return combine(args.combine, Path(args.out))
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -210,13 +285,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     target = args.target if args.target is not None else min(start["success"] + args.target_gain, 1.0)
     budget = args.iterations * args.tasks * args.group
-    reached = {m: rollouts_to_reach(results[m]["curve"], target) for m in MODES}
-    needed = {m: reached[m] if reached[m] is not None else budget for m in MODES}
-    # process never reaching the target leaves no ratio to report; outcome never reaching it leaves a bound
-    ratio = needed["process"] / needed["outcome"] if reached["process"] is not None and needed["outcome"] else None
-    ratio_kind = ("measured" if all(reached[m] is not None for m in MODES)
-                  else "upper bound (outcome-only never reached the target)" if reached["process"] is not None
-                  else "undefined (process rewards never reached the target)")
+    reached, ratio, ratio_kind = compare({m: results[m]["curve"] for m in MODES}, target, budget)
     timing["wall"] = time.time() - wall
     figures = {
         "model": args.model, "device": args.device, "threads": torch.get_num_threads(),
@@ -285,7 +354,7 @@ def _plot(f: dict[str, Any], path: Path) -> None:
     ax.axhline(f["target"], color="gray", linestyle=":", label=f"target {f['target']:.2f}")
     ax.set_xlabel("training rollouts (episodes)")
     ax.set_ylabel("held-out success (sampled, +- binomial SE)")
-    ax.set_title(f"{f['model']}: planner -> calculator, process vs outcome-only rewards")
+    ax.set_title(f"{f['model']}: planner -> calculator, process vs outcome-only rewards", fontsize=9)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

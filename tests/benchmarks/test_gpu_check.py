@@ -92,3 +92,37 @@ def test_gpu_check_engine_only_writes_engine_figures_alone_and_refuses_an_unknow
     bad = subprocess.run(["bash", "scripts/gpu_check.sh", "--only", "judge"], check=False, cwd=ROOT,
                          capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "--only must be engine or learning" in bad.stderr
+
+
+def _run(folder: Path, seed: int, process: list[float], outcome: list[float], **settings: object) -> str:
+    """A real_model_learning.json as a run writes it, with only what --combine reads."""
+    def curve(values: list[float]) -> list[dict]:
+        return [{"rollouts": 32 * i, "success": v, "se_binomial": 0.03, "episodes": 220} for i, v in enumerate(values)]
+
+    base = {"model": "smollm2-135m", "iterations": len(process) - 1, "tasks": 16, "group": 2, "mini_batches": 2,
+            "normalize_per_agent": True, "lr": 1e-3, "eval_every": 1, "eval_tasks": 110, "eval_rollouts": 2,
+            "target_gain": 0.4, "target": None, "seed": seed}
+    curves = {"process": curve(process), "outcome": curve(outcome)}
+    run = {"model": "smollm2-135m", "settings": {**base, **settings}, "curves": curves, "before": curves["process"][0],
+           "after": {m: c[-1] for m, c in curves.items()}, "target": process[0] + 0.4, "budget_rollouts": 96,
+           "rollouts_to_target": {}, "ratio_process_over_outcome": None, "ratio_kind": "", "seconds": {"wall": 1.0}}
+    folder.mkdir()
+    (folder / "real_model_learning.json").write_text(json.dumps(run))
+    return str(folder)
+
+
+def test_combine_reads_the_ratio_off_the_seeds_mean_curves(tmp_path: Path) -> None:
+    from benchmarks.real_model_learning import combine
+
+    a = _run(tmp_path / "a", 0, [0.2, 0.5, 0.7, 0.7], [0.2, 0.3, 0.4, 0.7])
+    b = _run(tmp_path / "b", 1, [0.2, 0.5, 0.6, 0.8], [0.2, 0.3, 0.5, 0.8])
+    figures = combine([a, b], tmp_path / "out")
+    assert figures["target"] == pytest.approx(0.6)
+    assert [p["success"] for p in figures["curves"]["process"]] == pytest.approx([0.2, 0.5, 0.65, 0.75])
+    assert figures["rollouts_to_target"] == {"process": 64, "outcome": 96}  # outcome's mean: 0.2, 0.3, 0.45, 0.75
+    assert figures["ratio_process_over_outcome"] == pytest.approx(64 / 96)
+    assert figures["curves"]["outcome"][0]["se_binomial"] == pytest.approx(0.03 / math.sqrt(2))
+    assert (tmp_path / "out" / "real_model_learning_combined.png").stat().st_size > 0
+    c = _run(tmp_path / "c", 2, [0.2, 0.5, 0.7, 0.7], [0.2, 0.3, 0.4, 0.7], lr=5e-4)
+    with pytest.raises(SystemExit, match="same settings but the seed"):
+        combine([a, c], tmp_path / "out")

@@ -431,8 +431,10 @@ def instrument(
 ) -> InstrumentedGraph:
     """Wrap a compiled LangGraph app so each call records an Episode (into `store` when given: a TraceStore
     or a path to its SQLite file). Each action's agent is its agent boundary: the outermost node below this
-    graph (a supervisor's or swarm's worker, a subgraph node, a plain node), its full node path kept in
-    `Action.path`; `agents` maps paths to other agent names or is a function of the path."""
+    graph (a supervisor's or swarm's worker, a subgraph node, a plain node), or the tool whose call ran a graph
+    (a subagent as a tool: `tools/ask_researcher/model` belongs to `ask_researcher`), its full node path kept in
+    `Action.path`; `agents` maps paths to other agent names or is a function of the path (checked here on every
+    path the graph declares)."""
     if isinstance(store, (str, Path)):
         store = TraceStore(store)
     return InstrumentedGraph(graph, store=store, run=run, agents=agents, background=background,

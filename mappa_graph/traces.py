@@ -30,13 +30,15 @@ class ToolCall(BaseModel):
 
 class ToolResult(BaseModel):
     """What a tool gave back; `error` is set when the tool raised or refused (sandbox limits, network).
-    `interrupt` holds what a tool that paused in `interrupt()` asked (an approval step): control flow, not an
-    error; the call's result comes when the thread resumes (`TraceStore.join_thread` adds it here)."""
+    `paused` marks a tool that paused in `interrupt()` (an approval step), `interrupt` holding what it asked:
+    control flow, not an error; the call's result comes when the thread resumes (`TraceStore.join_thread`
+    adds it after this one)."""
 
     tool_call_id: str | None = None
     name: str
     output: str = ""
     error: str | None = None
+    paused: bool = False
     interrupt: Any = None
     latency_s: float | None = None
 

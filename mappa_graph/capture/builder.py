@@ -65,6 +65,7 @@ class _NodeRun:
     # share a graph loop and a step (a Send fan-out, parallel branches, `@task`s called together).
     seq: int = 0
     last_group: tuple[str, str, int] | None = None
+    tool_batches: dict[str, int] = field(default_factory=dict)  # the asking model call's id -> its place here
     # The node's input as LangGraph passed it: converted to JSON only if the node's own action is kept (one
     # with model calls or inner nodes is folded into them), so the whole state is not copied per node.
     raw_input: Any = None
@@ -96,9 +97,10 @@ class EpisodeBuilder:
         self.attempts: dict[str, int] = {}
         self.llm_by_run: dict[int, tuple[Action, tuple[Any, ...]]] = {}
         self.tool_by_run: dict[int, tuple[str, str | None, float, str | None]] = {}
-        # Runs inside a tool call (its own run, and the chains and graph runs it starts): the tool's name and
-        # the call's place among its model call's tool calls. A graph a tool runs is a boundary of its own.
-        self.tool_of_run: dict[int, tuple[str, int | None]] = {}
+        # Runs inside a tool call (its own run, and the chains and graph runs it starts): the tool's name, the
+        # call's place among its model call's tool calls, that model call's id, and the namespace of the node
+        # task that ran the tool. A graph a tool runs is a boundary of its own.
+        self.tool_of_run: dict[int, tuple[str, int | None, str | None, str | None]] = {}
         self.call_owner: dict[str, Action] = {}
         self.order: list[tuple[tuple[Any, ...], Action]] = []
         self.node_of_action: dict[str, _NodeRun] = {}
@@ -155,6 +157,10 @@ class EpisodeBuilder:
         attempt = self.attempts[ns] = self.attempts.get(ns, 0) + 1
         outer_ns = enclosing_ns(ns)
         outer = self.node_by_ns.get(outer_ns) if outer_ns is not None else None
+        if outer is None and tool is not None and tool[3] is not None:
+            # A graph a tool ran with a config of its own (its own thread_id) starts LangGraph's namespace
+            # afresh: it still belongs under the task that ran the tool.
+            outer = self.node_by_ns.get(tool[3])
         step = meta.get("langgraph_step")
         self.root_seq += 1  # the last tie-break only: same step, same task path, same attempt
         element = (_step(step), _path_key(meta.get("langgraph_path")), attempt, self.root_seq)
@@ -162,14 +168,19 @@ class EpisodeBuilder:
             key = (element,)
             boundary = path[0]
         elif tool is not None:
-            # A graph a tool call runs: its path takes the tool's name, and its tasks go by the call's place
-            # among its model call's tool calls (calls run side by side, so their start order varies).
+            # A graph a tool call runs: its path takes the tool's name. One model call's tool calls take one
+            # place in this task (after that call, when the task made it itself) and go by their place among
+            # its calls, as they run side by side; a call no model asked for goes by when it started.
             path = (*outer.path, tool[0], path[-1])
             boundary = tool[0] if outer.parent is None else outer.boundary
-            outer.seq += 1
             outer.last_group = None
-            place = (-1, tool[1]) if tool[1] is not None else (outer.seq, 0)  # no model call asked: as it started
-            key = outer.key + ((place, *element),)
+            batch = outer.tool_batches.get(tool[2]) if tool[2] is not None else None
+            if batch is None:
+                outer.seq += 1
+                batch = outer.seq
+                if tool[2] is not None:
+                    outer.tool_batches[tool[2]] = batch
+            key = outer.key + (((batch, tool[1] if tool[1] is not None else 0), *element),)
             attempt = max(attempt, outer.action.attempt)
         else:
             path, boundary = (*outer.path, path[-1]), outer.boundary
@@ -389,7 +400,7 @@ class EpisodeBuilder:
         self.ns_of_run[run_id] = meta.get("langgraph_checkpoint_ns")
         owner = self.call_owner.get(call_id) if call_id else None
         place = next((i for i, c in enumerate(owner.tool_calls) if c.id == call_id), None) if owner else None
-        self.tool_of_run[run_id] = (name, place)
+        self.tool_of_run[run_id] = (name, place, owner.id if owner else None, meta.get("langgraph_checkpoint_ns"))
         self.tool_by_run[run_id] = (name, call_id, at, meta.get("langgraph_checkpoint_ns"))
 
     def _tool_end(self, run_id: int, parent: Any, meta: Any, output: Any, at: float, _: Any) -> None:
@@ -398,11 +409,13 @@ class EpisodeBuilder:
     def _tool_error(self, run_id: int, parent: Any, meta: Any, error: BaseException, at: float, _: Any) -> None:
         if isinstance(error, self._interrupt_type):  # a tool that asks a human (an approval step): a pause
             asked = [record["value"] for record in self._interrupts(error)]
-            self._tool_done(run_id, None, None, at, asked[0] if len(asked) == 1 else asked)
+            self._tool_done(run_id, None, None, at, paused=True, asked=asked[0] if len(asked) == 1 else asked)
         else:
             self._tool_done(run_id, None, _describe(error), at)
 
-    def _tool_done(self, run_id: int, output: Any, error: str | None, at: float, interrupt: Any = None) -> None:
+    def _tool_done(self, run_id: int, output: Any, error: str | None, at: float, *, paused: bool = False,
+                   asked: Any = None) -> None:
+        """A tool call ended: with its output, its error, or `paused` in interrupt() having `asked`."""
         if run_id not in self.tool_by_run:
             return
         name, call_id, started, ns = self.tool_by_run.pop(run_id)
@@ -415,8 +428,8 @@ class EpisodeBuilder:
                 error = text
         else:
             text = "" if output is None else content_text(output) if isinstance(output, (str, list)) else str(output)
-        result = ToolResult(tool_call_id=call_id, name=name, output=text, error=error, interrupt=interrupt,
-                            latency_s=at - started)
+        result = ToolResult(tool_call_id=call_id, name=name, output=text, error=error, paused=paused,
+                            interrupt=asked, latency_s=at - started)
         node_run = self.node_by_ns.get(ns) if ns is not None else None
         if node_run is not None:
             node_run.tool_results.append(result)

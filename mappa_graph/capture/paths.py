@@ -98,8 +98,8 @@ class AgentResolver:
 
     def check(self, graph: Any) -> None:
         """Refuse mapping keys that name no node path of `graph`, naming the paths there are. A key below a
-        node whose inside LangGraph cannot see (a graph built inside the node's function or run by a tool) is
-        accepted when its first name is a node. A function is tried on every path LangGraph can see, so one
+        node path whose inside LangGraph cannot see (a graph built inside the node's function or run by a tool)
+        is accepted. A function is tried on every path LangGraph can see, so one
         that raises or returns something other than a name fails here, before any run, not in the trace
         writer."""
         if self.function is not None:
@@ -114,8 +114,15 @@ class AgentResolver:
             return
         paths = graph_paths(graph)
         known = set(paths)
-        opaque = {p for p in paths if "/" not in p and not any(q.startswith(p + "/") for q in paths)}
-        unknown = [key for key in self.mapping if key not in known and key.split("/", 1)[0] not in opaque]
+        # a node path with nothing below it that LangGraph can see may still run graphs (in its function, or
+        # by a tool: `researcher/tools/ask_expert`), so keys below it are taken on trust
+        opaque = {p for p in paths if not any(q.startswith(p + "/") for q in paths)}
+
+        def fits(key: str) -> bool:
+            names = key.split("/")
+            return all(names) and (key in known or any("/".join(names[:end]) in opaque for end in range(1, len(names))))
+
+        unknown = [key for key in self.mapping if not fits(key)]
         if unknown:
             raise ValueError(
                 f"unknown node {', '.join(repr(k) for k in unknown)} in agents= (graph node paths: "

@@ -314,13 +314,7 @@ def join_episodes(parts: list[Episode]) -> Episode:
     stays in the transcript as paused, before its rerun on resume: that is what happened."""
     if not parts:
         raise ValueError("join_episodes needs at least one episode")
-    for before, after in pairwise(parts):
-        ended, starts = before.metadata.get("end_checkpoint_id"), after.metadata.get("start_checkpoint_id")
-        if ended and starts and ended != starts:
-            raise ValueError(
-                f"episode {after.id} starts from checkpoint {starts}, not where episode {before.id} ended "
-                f"({ended}): time travel or a second resume from one checkpoint forked this thread. Join the "
-                "episodes of one branch: join_thread(thread_id, episode_ids=[...]) or join_episodes([...])")
+    _refuse_forks(parts)
     first, last = parts[0], parts[-1]
     joined = first.model_copy(deep=True)
     joined.actions = [a.model_copy(deep=True) for part in parts for a in part.actions]
@@ -335,6 +329,29 @@ def join_episodes(parts: list[Episode]) -> Episode:
     return joined
 
 
+def _refuse_forks(parts: list[Episode]) -> None:
+    """Refuse parts of two branches: two calls that started from one checkpoint (a second resume, time travel
+    to where a call started), or a call that started where an earlier call, not the one just before it, ended.
+    A call that starts from a checkpoint no call started from or ended at follows its predecessor: that is
+    what `update_state` between a pause and its resume leaves (a checkpoint of its own)."""
+    started: dict[str, str] = {}
+    ended: dict[str, str] = {}
+    for before, after in pairwise([None, *parts]):
+        start = after.metadata.get("start_checkpoint_id")
+        end_before = before.metadata.get("end_checkpoint_id") if before is not None else None
+        earlier = started.get(start) or (ended.get(start) if start != end_before else None) if start else None
+        if earlier is not None:
+            raise ValueError(
+                f"episode {after.id} starts from checkpoint {start}, where episode {earlier} already started or "
+                "ended before another call went on from it: time travel or a second resume from one checkpoint "
+                "forked this thread. Join the episodes of one branch: join_thread(thread_id, episode_ids=[...]) "
+                "or join_episodes([...])")
+        if start:
+            started[start] = after.id
+        if after.metadata.get("end_checkpoint_id"):
+            ended[after.metadata["end_checkpoint_id"]] = after.id
+
+
 def _give_resumed_results(actions: list[Action]) -> None:
     """A model call whose tool call got its result only after the thread resumed (the tool paused in
     interrupt(), or an approval step paused the run before the tool ran) gets that result, after any paused
@@ -342,11 +359,11 @@ def _give_resumed_results(actions: list[Action]) -> None:
     waiting: dict[str, Action] = {}  # tool call id -> the model call that asked and has no result yet
     for action in actions:
         for result in action.tool_results:
-            owner = waiting.pop(result.tool_call_id, None) if result.interrupt is None and result.tool_call_id else None
+            owner = waiting.pop(result.tool_call_id, None) if not result.paused and result.tool_call_id else None
             if owner is not None and owner is not action:
                 owner.tool_results.append(result.model_copy())
         if action.kind == "llm":
-            done = {r.tool_call_id for r in action.tool_results if r.interrupt is None}
+            done = {r.tool_call_id for r in action.tool_results if not r.paused}
             waiting.update({c.id: action for c in action.tool_calls if c.id and c.id not in done})
 
 

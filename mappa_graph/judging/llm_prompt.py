@@ -80,7 +80,7 @@ def _render_tools(action: Action, retried: bool = False) -> tuple[str, str]:
     results = []
     for r in action.tool_results:
         head = f"{r.name}" + (f" (call {r.tool_call_id})" if r.tool_call_id else "")
-        if r.interrupt is not None and not r.output and r.error is None:
+        if r.paused:
             results.append(f"{head} paused in interrupt() for human input (not an error), asking: "
                            f"{as_text(r.interrupt)}; its result comes when the run resumes")
             continue

@@ -65,3 +65,15 @@ def test_a_graph_a_tool_runs_is_its_own_agent_unless_mapped() -> None:
     resolve = AgentResolver({"tools/ask_writer": "writer"})
     assert resolve(("tools", "ask_researcher", "model"), "ask_researcher") == "ask_researcher"
     assert resolve(("tools", "ask_writer", "model"), "ask_writer") == "writer"
+
+
+@pytest.mark.filterwarnings("ignore::langgraph.warnings.LangGraphDeprecatedSinceV10")
+def test_keys_below_a_path_langgraph_cannot_see_into_are_taken_on_trust() -> None:
+    from tests.capture.apps import supervisor_app
+
+    graph = supervisor_app()
+    AgentResolver({"researcher/tools/ask_expert": "expert", "math_expert/agent": "m"}).check(graph)
+    with pytest.raises(ValueError, match=r"unknown node 'researcher/agent/'"):
+        AgentResolver({"researcher/agent/": "r"}).check(graph)
+    with pytest.raises(ValueError, match=r"unknown node 'researcher/tool'"):
+        AgentResolver({"researcher/tool": "r"}).check(graph)

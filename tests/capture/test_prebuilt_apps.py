@@ -226,8 +226,8 @@ def test_a_tool_that_asks_a_human_pauses_the_call_and_its_result_joins_it_on_res
     paused = app.last_episode
     asked = paused.actions[0]
     assert (paused.status, paused.interrupts) == ("interrupted", [{"approve": "a draft"}])
-    assert [(r.name, r.output, r.error, r.interrupt) for r in asked.tool_results] == [
-        ("publish", "", None, {"approve": "a draft"})]
+    assert [(r.name, r.output, r.error, r.paused, r.interrupt) for r in asked.tool_results] == [
+        ("publish", "", None, True, {"approve": "a draft"})]
     text = build_prompt(paused, asked).messages[1].content
     assert "paused in interrupt() for human input" in text and "ERROR" not in text and "GraphInterrupt" not in text
     app.invoke(Command(resume="yes"), cfg)
@@ -435,3 +435,94 @@ def test_a_worker_that_fails_for_good_keeps_what_it_finished_and_a_retried_one_d
         assert [(a.path, a.status) for a in episode.actions] == list(zip(
             ["researcher/agent", "researcher/tools"] * len(statuses), statuses)), retry
         assert episode.status == "error"
+
+
+def test_a_subagent_tool_stays_under_the_task_that_ran_it_and_after_the_call_that_asked() -> None:
+    """Two shapes that once put a subagent's calls elsewhere: a node whose own loop asks a model and runs the
+    tool itself (the subagent sorted before the asking call), and a subagent invoked with a config of its own
+    (its own thread_id restarts LangGraph's namespace: it was taken for the orchestrator's `model`)."""
+    from langchain.agents import create_agent
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import START, MessagesState, StateGraph
+
+    from tests.capture.apps import message_input
+    from tests.fakes import ScriptedChatModel
+
+    expert = create_agent(ScriptedChatModel(script=lambda m: AIMessage(f"expert on {m[-1].content}")), [],
+                          checkpointer=InMemorySaver())
+
+    @tool
+    def ask_expert(question: str) -> str:
+        """Ask the expert subagent (it keeps its own memory thread)."""
+        reply = expert.invoke({"messages": [HumanMessage(question)]}, {"configurable": {"thread_id": "expert"}})
+        return reply["messages"][-1].content
+
+    def ask_then_answer(messages: list) -> AIMessage:
+        if any(isinstance(m, ToolMessage) for m in messages):
+            return AIMessage("final: " + messages[-1].content)
+        return AIMessage("", tool_calls=[{"name": "ask_expert", "args": {"question": "why"}, "id": "x1"}])
+
+    planner = ScriptedChatModel(script=ask_then_answer)
+
+    def agent(state: dict) -> dict:  # a hand-written tool loop inside one node
+        messages = list(state["messages"])
+        asked = planner.invoke(messages)
+        messages += [asked, *(ask_expert.invoke(call) for call in asked.tool_calls)]
+        return {"messages": [planner.invoke(messages)]}
+
+    loop = StateGraph(MessagesState)
+    loop.add_node("agent", agent)
+    loop.add_edge(START, "agent")
+    for app in (instrument(loop.compile()), instrument(create_agent(planner, [ask_expert]))):
+        app.invoke(message_input(1))
+        node = app.last_episode.actions[0].path
+        assert [(a.agent, a.path, a.output_text) for a in app.last_episode.actions if a.kind == "llm"] == [
+            (node, node, ""), ("ask_expert", f"{'agent' if node == 'agent' else 'tools'}/ask_expert/model",
+                               "expert on why"), (node, node, "final: expert on why")]
+
+
+def test_a_thread_edited_between_pause_and_resume_joins(tmp_path) -> None:
+    store = TraceStore(tmp_path / "t.db")
+    app = instrument(interrupt_app(), store=store)
+    cfg = {"configurable": {"thread_id": "edit"}}
+    app.invoke(task_input(6), cfg)
+    app.update_state(cfg, {"draft": "edited by a human"})  # a checkpoint of its own between the two calls
+    app.invoke(Command(resume="yes"), cfg)
+    joined = store.join_thread("edit")
+    assert joined.final_state["published"] == "yes: edited by a human"
+    assert [(a.node, a.status) for a in joined.actions] == [("write", "ok"), ("review", "interrupted"), ("review", "ok")]
+
+
+def test_a_tool_that_pauses_asking_nothing_is_still_a_pause() -> None:
+    from langchain_core.messages import AIMessage
+    from langchain_core.tools import tool
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import START, MessagesState, StateGraph
+
+    from mappa_graph.capture.store import join_episodes
+    from tests.capture.apps import call, message_input, react_agent, seen
+
+    @tool
+    def send(to: str) -> str:
+        """Send once someone says go."""
+        interrupt(None)
+        return f"sent to {to}"
+
+    def script(messages: list) -> AIMessage:
+        done = seen(messages, "send")
+        return AIMessage(f"done: {done.content}") if done else call("send", {"to": "bob"}, "e1")
+
+    team = StateGraph(MessagesState)
+    team.add_node("mailer", react_agent("mailer", script, [send]))
+    team.add_edge(START, "mailer")
+    app = instrument(team.compile(checkpointer=InMemorySaver()))
+    cfg = {"configurable": {"thread_id": "none"}}
+    app.invoke(message_input(1), cfg)
+    app.invoke(Command(resume="go"), cfg)
+    paused, resumed = app.episodes
+    assert [(r.paused, r.interrupt) for r in paused.actions[0].tool_results] == [(True, None)]
+    assert "paused in interrupt() for human input" in build_prompt(paused, paused.actions[0]).messages[1].content
+    asked = join_episodes([paused, resumed]).actions[0]
+    assert [(r.paused, r.output) for r in asked.tool_results] == [(True, ""), (False, "sent to bob")]

@@ -32,6 +32,11 @@ class ScriptedChatModel(BaseChatModel):
     def _llm_type(self) -> str:
         return "scripted"
 
+    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> ScriptedChatModel:  # type: ignore[override]
+        """Tools change nothing here (the reply function decides any tool calls), so the prebuilt agents that
+        bind them (`create_agent`, `create_react_agent`, `create_supervisor`) can drive this model."""
+        return self
+
     def _generate(
         self,
         messages: list[BaseMessage],

@@ -6,6 +6,7 @@ Ray workers (ray_rollouts.py) share these, which is what keeps the two paths' ep
 from __future__ import annotations
 
 import inspect
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -36,10 +37,14 @@ class RolloutResult(BaseModel):
 
 
 def run_job(graph: InstrumentedGraph, job: RolloutJob) -> RolloutResult:
-    """Run one rollout; a graph that raises returns its error and partial episode (the caller counts it)."""
+    """Run one rollout; a graph that raises returns its error and partial episode (the caller counts it).
+    An app compiled with a checkpointer needs a thread: each rollout gets a new one, so no rollout continues
+    another's (or an earlier run's) conversation."""
+    config: dict[str, Any] = {"metadata": job.metadata}
+    if getattr(graph.graph, "checkpointer", None) not in (None, False):
+        config["configurable"] = {"thread_id": f"mappa-rollout-{uuid.uuid4().hex}"}
     try:
-        _, episode = graph.run_episode(job.input, task_id=job.task_id, reference=job.reference,
-                                       config={"metadata": job.metadata})
+        _, episode = graph.run_episode(job.input, task_id=job.task_id, reference=job.reference, config=config)
     except Exception as exc:
         mine = job.metadata.get("mappa_episode_metadata", {})
         partial = next((e for e in reversed(graph.episodes) if e.task_id == job.task_id
@@ -63,7 +68,10 @@ def rollout_metadata(seed: int, iteration: int, task_id: str, g: int, greedy: bo
 
 
 def build_graph(graph: Any, policies: AgentPolicies) -> Any:
-    """A compiled graph as given, or built by a factory: `f(policies)`, or `f()` for one that takes nothing."""
+    """A compiled graph as given, an uncompiled StateGraph compiled, or one built by a factory: `f(policies)`, or
+    `f()` for one that takes nothing."""
+    if hasattr(graph, "compile") and not hasattr(graph, "invoke"):  # a StateGraph as the user built it
+        return graph.compile()
     if hasattr(graph, "invoke") or not callable(graph):
         return graph
     try:

@@ -81,7 +81,10 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         # every rank runs the same seeded rollouts; rank 0's go to the trace store, the others' stay in memory
         # a store passed in is the caller's (e.g. `mappa train --from-traces DB`): resume never deletes from it
+        # (an app instrumented into a store already keeps writing there, and its rollouts are this trainer's)
         self.owns_store = store is None
+        if store is None and isinstance(graph, InstrumentedGraph) and graph.store is not None:
+            store = graph.store
         self.store = store or TraceStore(self.out / "traces.db" if distributed.is_main_process() else ":memory:")
         self.eval_run = f"{self.config.run_name}/eval"
         # on Ray the workers build the team (each beside its own model server); the driver builds no graph
@@ -90,7 +93,9 @@ class Trainer:
         self.on_version: OnVersion | None = None
         if self.config.rollout_backend == "local":
             if isinstance(graph, InstrumentedGraph):
-                graph.store = graph.store or self.store
+                # the rollouts are this run's, whatever run the app was instrumented under: the update, the
+                # traces it trains from and a resume all find them by the run name
+                graph.store, graph.run = self.store, self.config.run_name
                 if endpoint is not None:
                     graph.graph = endpoint.attach(graph.graph)
                 self.graph = graph

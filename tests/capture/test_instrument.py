@@ -253,3 +253,26 @@ def test_a_stream_the_caller_stops_reading_gives_an_episode_that_says_so() -> No
     episode = app.last_episode
     assert episode.status == "error" and episode.error.startswith("cut short: the caller stopped reading the stream")
     assert [a.node for a in episode.actions] == ["planner"]
+
+
+def test_the_public_scripted_model_drives_a_prebuilt_agent() -> None:
+    from langchain.agents import create_agent
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+
+    from mappa_graph.testing import ScriptedChatModel
+
+    @tool
+    def double(x: int) -> int:
+        """Double a number."""
+        return 2 * x
+
+    def reply(messages: list) -> AIMessage:
+        if isinstance(messages[-1], ToolMessage):
+            return AIMessage(f"it is {messages[-1].content}")
+        return AIMessage("", tool_calls=[{"name": "double", "args": {"x": 21}, "id": "d1"}])
+
+    app = instrument(create_agent(ScriptedChatModel(reply=reply), [double]))
+    assert app.invoke({"messages": [HumanMessage("double 21")]})["messages"][-1].content == "it is 42"
+    assert [(a.path, [r.output for r in a.tool_results]) for a in app.last_episode.actions if a.kind == "llm"] == [
+        ("model", ["42"]), ("model", [])]

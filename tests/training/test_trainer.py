@@ -413,3 +413,32 @@ def test_evaluations_on_the_same_seed_iteration_draw_the_same_rollouts(tmp_path)
         episodes = sorted(trainer.store.episodes(run=trainer.eval_run), key=lambda e: e.started_at)[-8:]
         outputs.append(sorted(str([a.output_token_ids for a in e.actions]) for e in episodes))
     assert outputs[0] == outputs[1]
+
+
+def test_the_app_as_the_user_holds_it_trains_uncompiled_checkpointed_or_instrumented(tmp_path) -> None:
+    """What the README's quick start passes (the StateGraph as built), an app compiled with a checkpointer (each
+    rollout needs a thread of its own), and an app already instrumented into a store under another run name
+    (its rollouts are this run's: the update, train_from_traces and a resume find them by run_name)."""
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    from mappa_graph import TraceStore, Trainer, instrument
+
+    policies = _policies()
+    models = {a: policies.chat_model(a, max_new_tokens=6) for a in arithmetic.AGENTS}
+    tasks, _ = arithmetic.train_and_eval_tasks()
+    store = TraceStore(tmp_path / "app.db")
+    apps = {
+        "uncompiled": arithmetic.build_arithmetic_graph(models),
+        "checkpointed": arithmetic.build_arithmetic_graph(models).compile(checkpointer=InMemorySaver()),
+        "instrumented": instrument(arithmetic.build_arithmetic_graph(models).compile(), store=store),
+    }
+    for name, app in apps.items():
+        config = _config(tmp_path / name, run_name=name, iterations=1, tasks_per_iteration=2)
+        trainer = Trainer(app, policies, arithmetic.process_judge(), tasks, config, outcome=arithmetic.outcome)
+        record = trainer.step()
+        assert trainer.failed_rollouts == 0, name
+        assert record["agents"]["calculator"]["samples"] > 0, name
+        assert len(trainer.store.episodes(run=name)) == 4, name
+    assert trainer.store is store and store.count("episodes") == 4
+    threads = {e.metadata.get("thread_id") for e in TraceStore(tmp_path / "checkpointed" / "traces.db").episodes()}
+    assert len(threads) == 4 and None not in threads  # a new thread per rollout

@@ -189,6 +189,12 @@ def _drain_workers() -> None:
         worker.shutdown(wait=True)
 
 
+def _of_graph(name: str) -> Any:
+    """The wrapped graph's attribute `name` (a method comes bound to the graph): for what Runnable defines
+    itself and so never reaches `__getattr__`."""
+    return property(lambda self: getattr(self.graph, name))
+
+
 class InstrumentedGraph(Runnable[Any, Any]):
     """Behaves like the compiled graph it wraps (`invoke`, `ainvoke`, `stream`, `astream`, `batch`, `abatch`,
     and every other attribute by delegation); each call also yields an Episode, kept in `episodes` (the most
@@ -365,56 +371,21 @@ class InstrumentedGraph(Runnable[Any, Any]):
         return getattr(self.graph, name)
 
     # ---- what describes the graph is the graph's (Runnable's own defaults would shadow __getattr__) -----------
-    @property
-    def name(self) -> str | None:  # type: ignore[override]
-        return self.graph.name
-
-    @property
-    def InputType(self) -> Any:
-        return self.graph.InputType
-
-    @property
-    def OutputType(self) -> Any:
-        return self.graph.OutputType
-
-    @property
-    def input_schema(self) -> Any:
-        return self.graph.input_schema
-
-    @property
-    def output_schema(self) -> Any:
-        return self.graph.output_schema
-
-    @property
-    def config_specs(self) -> Any:
-        return self.graph.config_specs
-
-    def get_name(self, *args: Any, **kwargs: Any) -> str:
-        return self.graph.get_name(*args, **kwargs)
-
-    def get_input_schema(self, *args: Any, **kwargs: Any) -> Any:
-        return self.graph.get_input_schema(*args, **kwargs)
-
-    def get_output_schema(self, *args: Any, **kwargs: Any) -> Any:
-        return self.graph.get_output_schema(*args, **kwargs)
-
-    def get_input_jsonschema(self, *args: Any, **kwargs: Any) -> Any:
-        return self.graph.get_input_jsonschema(*args, **kwargs)
-
-    def get_output_jsonschema(self, *args: Any, **kwargs: Any) -> Any:
-        return self.graph.get_output_jsonschema(*args, **kwargs)
-
-    def config_schema(self, *args: Any, **kwargs: Any) -> Any:
-        return self.graph.config_schema(*args, **kwargs)
-
-    def get_config_jsonschema(self, *args: Any, **kwargs: Any) -> Any:
-        return self.graph.get_config_jsonschema(*args, **kwargs)
-
-    def get_graph(self, *args: Any, **kwargs: Any) -> Any:
-        return self.graph.get_graph(*args, **kwargs)
-
-    def get_prompts(self, *args: Any, **kwargs: Any) -> Any:
-        return self.graph.get_prompts(*args, **kwargs)
+    name = _of_graph("name")
+    InputType = _of_graph("InputType")
+    OutputType = _of_graph("OutputType")
+    input_schema = _of_graph("input_schema")
+    output_schema = _of_graph("output_schema")
+    config_specs = _of_graph("config_specs")
+    get_name = _of_graph("get_name")
+    get_input_schema = _of_graph("get_input_schema")
+    get_output_schema = _of_graph("get_output_schema")
+    get_input_jsonschema = _of_graph("get_input_jsonschema")
+    get_output_jsonschema = _of_graph("get_output_jsonschema")
+    config_schema = _of_graph("config_schema")
+    get_config_jsonschema = _of_graph("get_config_jsonschema")
+    get_graph = _of_graph("get_graph")
+    get_prompts = _of_graph("get_prompts")
 
     def __repr__(self) -> str:
         return f"InstrumentedGraph({self.graph!r}, run={self.run!r})"

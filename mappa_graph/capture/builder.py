@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from langchain_core.messages import ToolMessage
 
@@ -51,6 +51,15 @@ _SCALARS = frozenset({str, int, float, bool, type(None)})  # immutable: a copy m
 
 
 _LAST = ((9, ""),)  # sorts after every task path: a model call made outside any node task, after the step
+
+
+class _ToolRun(NamedTuple):
+    """A tool call, as the runs inside it (its chains, the graphs it runs) see it."""
+
+    name: str
+    place: int | None  # among the tool calls of the model call that asked for it
+    asked_by: str | None  # that model call's action id
+    task_ns: str | None  # the node task that ran the tool
 
 
 @dataclass
@@ -97,10 +106,9 @@ class EpisodeBuilder:
         self.attempts: dict[str, int] = {}
         self.llm_by_run: dict[int, tuple[Action, tuple[Any, ...]]] = {}
         self.tool_by_run: dict[int, tuple[str, str | None, float, str | None]] = {}
-        # Runs inside a tool call (its own run, and the chains and graph runs it starts): the tool's name, the
-        # call's place among its model call's tool calls, that model call's id, and the namespace of the node
-        # task that ran the tool. A graph a tool runs is a boundary of its own.
-        self.tool_of_run: dict[int, tuple[str, int | None, str | None, str | None]] = {}
+        # Runs inside a tool call: its own run, and the chains and graph runs it starts. A graph a tool runs
+        # is a boundary of its own.
+        self.tool_of_run: dict[int, _ToolRun] = {}
         self.call_owner: dict[str, Action] = {}
         self.order: list[tuple[tuple[Any, ...], Action]] = []
         self.node_of_action: dict[str, _NodeRun] = {}
@@ -157,10 +165,10 @@ class EpisodeBuilder:
         attempt = self.attempts[ns] = self.attempts.get(ns, 0) + 1
         outer_ns = enclosing_ns(ns)
         outer = self.node_by_ns.get(outer_ns) if outer_ns is not None else None
-        if outer is None and tool is not None and tool[3] is not None:
+        if outer is None and tool is not None and tool.task_ns is not None:
             # A graph a tool ran with a config of its own (its own thread_id) starts LangGraph's namespace
             # afresh: it still belongs under the task that ran the tool.
-            outer = self.node_by_ns.get(tool[3])
+            outer = self.node_by_ns.get(tool.task_ns)
         step = meta.get("langgraph_step")
         self.root_seq += 1  # the last tie-break only: same step, same task path, same attempt
         element = (_step(step), _path_key(meta.get("langgraph_path")), attempt, self.root_seq)
@@ -171,17 +179,16 @@ class EpisodeBuilder:
             # A graph a tool call runs: its path takes the tool's name. One model call's tool calls take one
             # place in this task (after that call, when the task made it itself) and go by their place among
             # its calls, as they run side by side; a call no model asked for goes by when it started.
-            path = (*outer.path, tool[0], path[-1])
-            boundary = tool[0] if outer.parent is None else outer.boundary
+            path = (*outer.path, tool.name, path[-1])
+            boundary = tool.name if outer.parent is None else outer.boundary
             outer.last_group = None
-            batch = outer.tool_batches.get(tool[2]) if tool[2] is not None else None
+            batch = outer.tool_batches.get(tool.asked_by) if tool.asked_by is not None else None
             if batch is None:
                 outer.seq += 1
                 batch = outer.seq
-                if tool[2] is not None:
-                    outer.tool_batches[tool[2]] = batch
-            key = outer.key + (((batch, tool[1] if tool[1] is not None else 0), *element),)
-            attempt = max(attempt, outer.action.attempt)
+                if tool.asked_by is not None:
+                    outer.tool_batches[tool.asked_by] = batch
+            position = (batch, tool.place if tool.place is not None else 0)
         else:
             path, boundary = (*outer.path, path[-1]), outer.boundary
             # Inside a node task things keep the order they started in (a task's body runs in sequence: a
@@ -194,7 +201,9 @@ class EpisodeBuilder:
             if outer.last_group != group:
                 outer.seq += 1
                 outer.last_group = group
-            key = outer.key + (((outer.seq, 0), *element),)
+            position = (outer.seq, 0)
+        if outer is not None:
+            key = outer.key + ((position, *element),)
             attempt = max(attempt, outer.action.attempt)
         action = Action(
             episode_id=self.episode.id,
@@ -400,7 +409,7 @@ class EpisodeBuilder:
         self.ns_of_run[run_id] = meta.get("langgraph_checkpoint_ns")
         owner = self.call_owner.get(call_id) if call_id else None
         place = next((i for i, c in enumerate(owner.tool_calls) if c.id == call_id), None) if owner else None
-        self.tool_of_run[run_id] = (name, place, owner.id if owner else None, meta.get("langgraph_checkpoint_ns"))
+        self.tool_of_run[run_id] = _ToolRun(name, place, owner.id if owner else None, meta.get("langgraph_checkpoint_ns"))
         self.tool_by_run[run_id] = (name, call_id, at, meta.get("langgraph_checkpoint_ns"))
 
     def _tool_end(self, run_id: int, parent: Any, meta: Any, output: Any, at: float, _: Any) -> None:
@@ -451,8 +460,8 @@ class EpisodeBuilder:
                 # neither (a ToolNode, plain code) still shows, so the judge sees the whole team's work. So
                 # does one holding a tool result no model call of this episode asked for (a subagent tool
                 # rerun on resume): `join_episodes` gives it to the call that asked, in an earlier episode.
-                orphans = any(r.tool_call_id and r.tool_call_id not in self.call_owner for r in node_run.tool_results)
-                if (node_run.llm_actions or node_run.children) and not orphans:
+                if (node_run.llm_actions or node_run.children) and not any(
+                        r.tool_call_id and r.tool_call_id not in self.call_owner for r in node_run.tool_results):
                     for llm_action in node_run.llm_actions:
                         llm_action.node_output = action.node_output
                         llm_action.handoff = llm_action.handoff or action.handoff

@@ -14,7 +14,6 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -334,22 +333,23 @@ def _refuse_forks(parts: list[Episode]) -> None:
     to where a call started), or a call that started where an earlier call, not the one just before it, ended.
     A call that starts from a checkpoint no call started from or ended at follows its predecessor: that is
     what `update_state` between a pause and its resume leaves (a checkpoint of its own)."""
-    started: dict[str, str] = {}
-    ended: dict[str, str] = {}
-    for before, after in pairwise([None, *parts]):
-        start = after.metadata.get("start_checkpoint_id")
-        end_before = before.metadata.get("end_checkpoint_id") if before is not None else None
-        earlier = started.get(start) or (ended.get(start) if start != end_before else None) if start else None
-        if earlier is not None:
-            raise ValueError(
-                f"episode {after.id} starts from checkpoint {start}, where episode {earlier} already started or "
-                "ended before another call went on from it: time travel or a second resume from one checkpoint "
-                "forked this thread. Join the episodes of one branch: join_thread(thread_id, episode_ids=[...]) "
-                "or join_episodes([...])")
+    started: dict[str, str] = {}  # checkpoint id -> the episode that started from it
+    ended: dict[str, str] = {}  # checkpoint id -> the episode that ended at it
+    previous_end = None
+    for part in parts:
+        start, end = part.metadata.get("start_checkpoint_id"), part.metadata.get("end_checkpoint_id")
         if start:
-            started[start] = after.id
-        if after.metadata.get("end_checkpoint_id"):
-            ended[after.metadata["end_checkpoint_id"]] = after.id
+            earlier = started.get(start) or (ended.get(start) if start != previous_end else None)
+            if earlier is not None:
+                raise ValueError(
+                    f"episode {part.id} starts from checkpoint {start}, where episode {earlier} already started "
+                    "or ended before another call went on from it: time travel or a second resume from one "
+                    "checkpoint forked this thread. Join the episodes of one branch: "
+                    "join_thread(thread_id, episode_ids=[...]) or join_episodes([...])")
+            started[start] = part.id
+        if end:
+            ended[end] = part.id
+        previous_end = end
 
 
 def _give_resumed_results(actions: list[Action]) -> None:

@@ -10,7 +10,9 @@ each instrumented block ends with `flush()` inside its timing, so the background
 by the calls that caused it and never leaks into a neighbour's block (its last episode, built after the
 block's last call returned, is paid in full once per block: a pessimistic share that a longer block shrinks).
 Each repetition gives a ratio per variant (its block time / the plain block time); the figure is the median of
-those ratios, with its quartiles.
+those ratios, with its quartiles. Beside it, the ratio of total times, which a rare long pause moves and the
+median does not: the garbage collector's full collections are such pauses, and the time each variant spent in
+the collector is shown (episodes kept in memory as Python objects made them frequent, see InstrumentedGraph).
 
 `--profile` also reports cProfile figures per graph run, meaningful on a busy machine too (call counts are
 deterministic; seconds are the graph thread's CPU time, so neither waits nor other processes count, though the
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import statistics
 import tempfile
@@ -75,6 +78,23 @@ class _Empty(BaseCallbackHandler):
         return None
 
 
+class _GcClock:
+    """Seconds the garbage collector ran while each variant was being timed (`gc.callbacks`)."""
+
+    def __init__(self) -> None:
+        self.variant, self.started, self.seconds = "", 0.0, {}
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+        elif self.variant:
+            self.seconds[self.variant] = self.seconds.get(self.variant, 0.0) + time.perf_counter() - self.started
+
+    def close(self) -> None:
+        gc.callbacks.remove(self)
+
+
 class _WithHandler:
     def __init__(self, graph: Any) -> None:
         self.graph, self.config = graph, {"callbacks": [_Empty()]}
@@ -100,15 +120,18 @@ def measure(label: str, build: Callable[[], Any], runs: int, block: int) -> dict
         names = list(variants)
         times: dict[str, list[float]] = {name: [] for name in names}
         cpu: dict[str, list[float]] = {name: [] for name in names}
+        clock = _GcClock()
         for rep in range(reps):
             for name in names[rep % len(names) :] + names[: rep % len(names)]:  # rotate, so no variant always runs first
                 graph = variants[name]
+                clock.variant = name
                 start, start_cpu = time.perf_counter(), time.process_time()
                 for i in range(block):
                     graph.invoke(_task(rep * block + i))
                 getattr(graph, "flush", lambda: None)()  # the background writer's tail counts against the tracer
                 times[name].append(time.perf_counter() - start)
                 cpu[name].append(time.process_time() - start_cpu)
+        clock.close()
         assert store.count("episodes") == reps * block + 1, "every instrumented call must be stored"
         store.close()
     print(f"{label}\n  {reps} repetitions x {block} calls per variant; wall time, and CPU time of all this "
@@ -119,8 +142,10 @@ def measure(label: str, build: Callable[[], Any], runs: int, block: int) -> dict
         q1, median, q3 = statistics.quantiles(each, n=4) if len(each) > 1 else (each[0],) * 3
         ratios[name] = median
         cpu_ratio = statistics.median(c / p for c, p in zip(cpu[name], cpu["plain"]) if p > 0)
+        total = sum(times[name]) / sum(times["plain"])
         print(f"  {name:28s} {1000 * statistics.median(times[name]) / block:7.3f} ms/run   wall ratio median "
-              f"{median:.3f} [quartiles {q1:.3f} .. {q3:.3f}]   CPU ratio median {cpu_ratio:.3f}")
+              f"{median:.3f} [quartiles {q1:.3f} .. {q3:.3f}], of totals {total:.3f}   CPU ratio median "
+              f"{cpu_ratio:.3f}   GC {1000 * clock.seconds.get(name, 0.0) / (reps * block):.3f} ms/run")
     return ratios
 
 

@@ -50,7 +50,10 @@ class TraceCollector(BaseCallbackHandler):
     instrumented graph uses it to write to the store). Finished episodes are kept in `episodes`; `wait()` returns
     once every ended run's Episode is built (with an executor, building is asynchronous). With the graph's
     `checkpointer`, an episode run on a thread records the checkpoint it started from and the one it left.
-    `train_failed` keeps the model calls of failed attempts trainable.
+    `train_failed` keeps the model calls of failed attempts trainable. `keep_episodes=False` hands episodes on
+    without keeping them: a collector stays reachable from the cyclic garbage of the exceptions LangGraph
+    raises for control flow (a handoff's frames hold the run's config, its callbacks, this collector), and an
+    episode kept there waited for the garbage collector instead of being freed.
     """
 
     # Ordering matters (a node's start must be seen before its model call), so run in the caller's thread
@@ -73,8 +76,10 @@ class TraceCollector(BaseCallbackHandler):
         executor: BuildExecutor | None = None,
         checkpointer: Any = None,
         train_failed: bool = False,
+        keep_episodes: bool = True,
     ) -> None:
         self.run = run
+        self.keep_episodes = keep_episodes
         self.agents = agents if isinstance(agents, AgentResolver) else AgentResolver(agents)
         self.checkpointer = checkpointer
         self.train_failed = train_failed
@@ -209,8 +214,9 @@ class TraceCollector(BaseCallbackHandler):
         except Exception:
             log.exception("mappa_graph: could not build an episode from its trace events")
             raise
-        with self._lock:
-            self.episodes.append(episode)
+        if self.keep_episodes:
+            with self._lock:
+                self.episodes.append(episode)
         if self.on_episode is not None:
             self.on_episode(episode)
         return episode

@@ -67,15 +67,16 @@ def _with_handler(config: RunnableConfig | None, handler: TraceCollector, extra_
 
 
 class _TraceWorker(Executor):
-    """One background thread that builds and stores episodes in the order their runs ended, remembering
-    each job so `flush()` can wait for them and surface a failed write instead of losing it.
+    """One background thread that builds and stores episodes in the order their runs ended, remembering the
+    last job (so `flush()` can wait for all) and the failed ones (so it surfaces a failed write instead of
+    losing it).
 
     A bare thread on a SimpleQueue rather than a ThreadPoolExecutor: handing a job over is then one C-level
     `put` that shares no Python lock with the worker, so the graph's thread never waits on the worker (the
     pool's idle semaphore is released by the worker after each job, and a `submit` that meets it mid-release
     blocked the graph for the worker's whole next job, up to the interpreter's 5 ms switch interval). The
-    thread is a daemon, started on the first job and holding only the queue: it ends once the worker is
-    collected, and an exit hook drains it first, so no episode is lost at exit.
+    thread is a daemon, started on the first job and holding only the queue and the error list: it ends once
+    the worker is collected, and an exit hook drains it first, so no episode is lost at exit.
     """
 
     def __init__(self) -> None:
@@ -85,16 +86,20 @@ class _TraceWorker(Executor):
         """No thread, no jobs: a new worker, or a forked child's copy (see _forget_threads_after_fork)."""
         self._queue: queue.SimpleQueue[tuple[_Job, Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None]
         self._queue = queue.SimpleQueue()
-        self._jobs: list[_Job] = []
+        # Jobs run in order, so waiting for the last one waits for all; the failed ones are kept for flush()
+        # to raise. Nothing else of a finished job stays: a server that never flushes must not keep them all.
+        self._last: _Job | None = None
+        self._errors: list[BaseException] = []
         self._jobs_lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
         job = _Job()
         with self._jobs_lock:
-            self._jobs.append(job)
+            self._last = job
             if self._thread is None:  # the first job (a forked child's copy forgets its thread, see below)
-                self._thread = threading.Thread(target=_work, args=(self._queue,), name="mappa-trace", daemon=True)
+                self._thread = threading.Thread(target=_work, args=(self._queue, self._errors), name="mappa-trace",
+                                                daemon=True)
                 self._thread.start()
                 weakref.finalize(self, self._queue.put, None)
                 _WORKERS.add(self)
@@ -104,12 +109,13 @@ class _TraceWorker(Executor):
     def flush(self) -> None:
         if threading.current_thread() is self._thread:
             return  # a job that reads the store: waiting for itself would never return
-        with self._jobs_lock:
-            jobs, self._jobs = self._jobs, []
-        errors = [job.exception() for job in jobs]
-        for error in errors:
-            if error is not None:
-                raise error
+        last = self._last
+        if last is not None:
+            last.exception()
+        errors = self._errors[:]  # the worker only appends; a failure after the copy stays for the next flush
+        del self._errors[: len(errors)]
+        if errors:
+            raise errors[0]
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Finish the queued jobs (when `wait`) and stop the thread; a later submit starts a new one."""
@@ -122,24 +128,27 @@ class _TraceWorker(Executor):
 
 
 class _Job:
-    """One queued build, as `submit` returns it: `result()` and `exception()` as on a Future (all that flush()
-    and TraceCollector.wait() ask of it), without the Condition and RLock a Future builds, a dozen Python calls
-    on the graph's thread per run. A lock held until the job has run is all the waiting needs."""
+    """One queued build, as `submit` returns it: `result()` and `exception()` as on a Future, without the
+    Condition and RLock a Future builds, a dozen Python calls on the graph's thread per run. A lock held until
+    the job has run is all the waiting needs. It keeps no result (the episode reaches its collector, the kept
+    episodes and the store), so a job that is still referenced holds no episode alive."""
 
-    __slots__ = ("_done", "_error", "_value")
+    __slots__ = ("_done", "_error")
 
     def __init__(self) -> None:
         self._done = threading.Lock()
         self._done.acquire()
-        self._value: Any = None
         self._error: BaseException | None = None
 
-    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Called once, by the worker thread."""
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+            errors: list[BaseException]) -> None:
+        """Called once, by the worker thread; a failure joins `errors` before the job counts as done, so a
+        flush() that waited for it sees it."""
         try:
-            self._value = fn(*args, **kwargs)
+            fn(*args, **kwargs)
         except BaseException as error:  # noqa: BLE001 - handed to flush(), which re-raises it
             self._error = error
+            errors.append(error)
         finally:
             self._done.release()
 
@@ -149,19 +158,18 @@ class _Job:
         self._done.release()
         return self._error
 
-    def result(self, timeout: float | None = None) -> Any:
+    def result(self, timeout: float | None = None) -> None:
         error = self.exception(timeout)
         if error is not None:
             raise error
-        return self._value
 
 
-def _work(jobs: queue.SimpleQueue[Any]) -> None:
-    """The worker thread: run jobs in order until a None."""
+def _work(jobs: queue.SimpleQueue[Any], errors: list[BaseException]) -> None:
+    """The worker thread: run jobs in order until a None, keeping the errors of those that failed."""
     mark_background()
     while (item := jobs.get()) is not None:
         job, fn, args, kwargs = item
-        job.run(fn, args, kwargs)
+        job.run(fn, args, kwargs, errors)
         del item, job, fn, args, kwargs  # drop the episode's events before waiting for the next job
 
 
@@ -198,7 +206,7 @@ def _of_graph(name: str) -> Any:
 class InstrumentedGraph(Runnable[Any, Any]):
     """Behaves like the compiled graph it wraps (`invoke`, `ainvoke`, `stream`, `astream`, `batch`, `abatch`,
     and every other attribute by delegation); each call also yields an Episode, kept in `episodes` (the most
-    recent `keep` of them) and written to the store when one is given.
+    recent `keep` of them, each read gives new copies) and written to the store when one is given.
 
     With `background=True` (the default) episodes are built and stored on a worker thread, off the graph's
     hot path; `episodes`, `last_episode`, `run_episode`, `flush()` and the store's own reads (`store.episodes()`,
@@ -239,20 +247,26 @@ class InstrumentedGraph(Runnable[Any, Any]):
         saver = getattr(graph, "checkpointer", None)
         self._checkpointer = saver if hasattr(saver, "get_tuple") else None
         self.keep = keep
-        self._episodes: list[Episode] = []
+        self._episodes: list[str] = []  # as JSON text: see _record
         self._episodes_lock = threading.Lock()
         self._worker = _TraceWorker() if background else None
         if store is not None and self._worker is not None:
             store.attach_writer(self.flush)  # the store's reads wait for this graph's queued episodes
 
     # ---- episode plumbing -----------------------------------------------------------------------------
-    def _collector(self) -> TraceCollector:
+    def _collector(self, keep: bool) -> TraceCollector:
         return TraceCollector(run=self.run, agents=self._resolver, on_episode=self._record, executor=self._worker,
-                              checkpointer=self._checkpointer, train_failed=self.train_failed_attempts)
+                              checkpointer=self._checkpointer, train_failed=self.train_failed_attempts,
+                              keep_episodes=keep)
 
     def _record(self, episode: Episode) -> None:
+        """Keep the episode as its JSON text (and store it). As Python objects, kept episodes (some 60 containers
+        for a 4-action one) outlived the garbage collector's young generations, and each quarter more of them
+        in its oldest one set off a full collection of the whole process, on whichever thread was allocating:
+        0.2 ms per run of the overhead benchmark's graph. A string is nothing for the collector to walk."""
+        text = episode.model_dump_json()
         with self._episodes_lock:
-            self._episodes.append(episode)
+            self._episodes.append(text)
             if len(self._episodes) > self.keep:
                 del self._episodes[: len(self._episodes) - self.keep]
         if self.store is not None:
@@ -267,10 +281,14 @@ class InstrumentedGraph(Runnable[Any, Any]):
     def episodes(self) -> list[Episode]:
         self.flush()
         with self._episodes_lock:
-            return list(self._episodes)
+            texts = list(self._episodes)
+        return [Episode.model_validate_json(text) for text in texts]
 
-    def _config(self, config: RunnableConfig | None, task_id: str | None = None, reference: Any = None):
-        collector = self._collector()
+    def _config(self, config: RunnableConfig | None, task_id: str | None = None, reference: Any = None, *,
+                keep: bool = False):
+        """The call's config with a new collector, which keeps its episode only when `keep` (the caller reads
+        it from the collector); every episode is kept by this graph in any case."""
+        collector = self._collector(keep)
         extra: dict[str, Any] = {}
         if task_id is not None:
             extra["mappa_task_id"] = task_id
@@ -280,8 +298,10 @@ class InstrumentedGraph(Runnable[Any, Any]):
 
     @property
     def last_episode(self) -> Episode | None:
-        episodes = self.episodes
-        return episodes[-1] if episodes else None
+        self.flush()
+        with self._episodes_lock:
+            text = self._episodes[-1] if self._episodes else None
+        return Episode.model_validate_json(text) if text is not None else None
 
     # ---- the Runnable interface ---------------------------------------------------------------------
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
@@ -342,12 +362,12 @@ class InstrumentedGraph(Runnable[Any, Any]):
         A graph that raises still yields its (partial) episode, stored with the error, before the error
         propagates: nothing already recorded is lost.
         """
-        cfg, collector = self._config(config, task_id, reference)
+        cfg, collector = self._config(config, task_id, reference, keep=True)
         try:
             output = self.graph.invoke(input, cfg, **kwargs)
         finally:
             collector.wait()
-        return output, collector.episodes[-1]
+        return output, collector.episodes.pop()  # not left where a handoff's cyclic garbage reaches it
 
     async def arun_episode(
         self,
@@ -358,12 +378,12 @@ class InstrumentedGraph(Runnable[Any, Any]):
         config: RunnableConfig | None = None,
         **kwargs: Any,
     ) -> tuple[Any, Episode]:
-        cfg, collector = self._config(config, task_id, reference)
+        cfg, collector = self._config(config, task_id, reference, keep=True)
         try:
             output = await self.graph.ainvoke(input, cfg, **kwargs)
         finally:
             await asyncio.get_running_loop().run_in_executor(None, collector.wait)
-        return output, collector.episodes[-1]
+        return output, collector.episodes.pop()
 
     def __getattr__(self, name: str) -> Any:
         if name == "graph":  # not set yet (a half-built or unpickled wrapper): no delegation loop

@@ -27,6 +27,25 @@ from .paths import AgentResolver, enclosing_ns, is_internal, node_path
 # (kind, run_id, parent_run_id, metadata, payload, time, extra); run ids as `UUID.int` (cheap to hash)
 Event = tuple[str, int, "int | None", "Mapping[str, Any] | None", Any, float, Any]
 
+
+class Raised(NamedTuple):
+    """An error event's payload: what the build reads of an exception, without the exception. An exception
+    holds its traceback, whose frames hold the run's state, config and callbacks, and LangGraph raises one for
+    every handoff; kept in the events until the build, those frames outlived the garbage collector's young
+    generation and were walked again in each older one (a supervisor team's collections took 2.5 times as
+    long traced as untraced)."""
+
+    type: type[BaseException]
+    args: tuple[Any, ...]
+    text: str  # str(error); empty for LangGraph's control flow (a handoff, an interrupt), never shown
+
+    @classmethod
+    def of(cls, error: BaseException) -> Raised:
+        from langgraph.errors import GraphInterrupt, ParentCommand
+
+        control = isinstance(error, (GraphInterrupt, ParentCommand))
+        return cls(type(error), error.args, "" if control else str(error))
+
 # events replayed between two yields of the GIL on the background writer (see courtesy.py): measured on the
 # 3-node benchmark graph, every 4 cost the graph least (every event: more switches than the graph gains)
 _YIELD_EVERY = 4
@@ -266,16 +285,16 @@ class EpisodeBuilder:
             self.episode.final_state = self._jsonable(outputs)
             self._root_end(at, extra)
 
-    def _chain_error(self, run_id: int, parent: Any, meta: Any, error: BaseException, at: float, extra: Any) -> None:
+    def _chain_error(self, run_id: int, parent: Any, meta: Any, error: Raised, at: float, extra: Any) -> None:
         node_run = self.node_by_run.get(run_id)
         if node_run is not None:
             action = node_run.action
             action.latency_s = at - action.started_at
-            if isinstance(error, self._handoff_type):
+            if issubclass(error.type, self._handoff_type):
                 command = error.args[0]
                 action.handoff = self._targets(command)
                 action.node_output = self._output(command)
-            elif isinstance(error, self._interrupt_type):
+            elif issubclass(error.type, self._interrupt_type):
                 action.status = "interrupted"
                 action.node_output = {"interrupts": self._interrupts(error)}
                 self._mark(node_run, "interrupted", None, inner=False)
@@ -283,7 +302,7 @@ class EpisodeBuilder:
                 action.status, action.error = "error", _describe(error)
                 self.failed.append((node_run, self.attempts.get(action.checkpoint_ns or "", 1), action.error))
         if run_id == self.root:
-            if isinstance(error, self._interrupt_type):  # no checkpointer: the interrupt reaches the caller
+            if issubclass(error.type, self._interrupt_type):  # no checkpointer: the interrupt reaches the caller
                 self._interrupts(error)
             else:
                 self.episode.status, self.episode.error = "error", _describe(error)
@@ -337,7 +356,7 @@ class EpisodeBuilder:
             return {"command": record}
         return self._jsonable(value)
 
-    def _interrupts(self, error: BaseException) -> list[dict[str, Any]]:
+    def _interrupts(self, error: Raised) -> list[dict[str, Any]]:
         found = error.args[0] if error.args else ()
         found = found if isinstance(found, (list, tuple)) else [found]
         records = [{"value": self._jsonable(getattr(i, "value", i)), "id": getattr(i, "id", None)} for i in found]
@@ -402,7 +421,7 @@ class EpisodeBuilder:
                 self.call_owner[call["id"]] = action
         copy_token_record(action, getattr(message, "response_metadata", None) or {})
 
-    def _llm_error(self, run_id: int, parent: Any, meta: Any, error: BaseException, at: float, _: Any) -> None:
+    def _llm_error(self, run_id: int, parent: Any, meta: Any, error: Raised, at: float, _: Any) -> None:
         action = self.llm_by_run.get(run_id, (None, None))[0]
         if action is not None:
             action.status, action.error = "error", _describe(error)
@@ -422,8 +441,8 @@ class EpisodeBuilder:
     def _tool_end(self, run_id: int, parent: Any, meta: Any, output: Any, at: float, _: Any) -> None:
         self._tool_done(run_id, output, None, at)
 
-    def _tool_error(self, run_id: int, parent: Any, meta: Any, error: BaseException, at: float, _: Any) -> None:
-        if isinstance(error, self._interrupt_type):  # a tool that asks a human (an approval step): a pause
+    def _tool_error(self, run_id: int, parent: Any, meta: Any, error: Raised, at: float, _: Any) -> None:
+        if issubclass(error.type, self._interrupt_type):  # a tool that asks a human (an approval step): a pause
             asked = [record["value"] for record in self._interrupts(error)]
             self._tool_done(run_id, None, None, at, paused=True, asked=asked[0] if len(asked) == 1 else asked)
         else:
@@ -515,10 +534,10 @@ def _tool_message_of(command: Any, call_id: str | None) -> ToolMessage | None:
     return None
 
 
-def _describe(error: BaseException) -> str:
-    if isinstance(error, GeneratorExit):  # `break` out of `stream()`: LangGraph closes the run where it was
+def _describe(error: Raised) -> str:
+    if issubclass(error.type, GeneratorExit):  # `break` out of `stream()`: LangGraph closes the run where it was
         return "cut short: the caller stopped reading the stream before the run ended (GeneratorExit)"
-    return f"{type(error).__name__}: {error}"
+    return f"{error.type.__name__}: {error.text}"
 
 
 def _step(step: Any) -> int:

@@ -24,7 +24,7 @@ from uuid import UUID
 from langchain_core.callbacks import BaseCallbackHandler
 
 from ..traces import Episode
-from .builder import EpisodeBuilder, Event
+from .builder import EpisodeBuilder, Event, Raised
 from .paths import AgentResolver, AgentsSpec
 
 log = logging.getLogger(__name__)
@@ -124,9 +124,9 @@ class TraceCollector(BaseCallbackHandler):
         events = self._runs.get(run)
         if events is not None:
             if events[0][1] == run:
-                self._close_root(events, "chain_error", run, error)
+                self._close_root(events, "chain_error", run, Raised.of(error))
             else:
-                events.append(("chain_error", run, None, None, error, time.time(), None))
+                events.append(("chain_error", run, None, None, Raised.of(error), time.time(), None))
 
     def on_chat_model_start(self, serialized: Any, messages: Any, *, run_id: UUID, parent_run_id: UUID | None = None,
                             metadata: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -145,7 +145,7 @@ class TraceCollector(BaseCallbackHandler):
     def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
         events = self._runs.get(run_id.int)
         if events is not None:
-            events.append(("llm_error", run_id.int, None, None, error, time.time(), None))
+            events.append(("llm_error", run_id.int, None, None, Raised.of(error), time.time(), None))
 
     def on_tool_start(self, serialized: Any, input_str: str, *, run_id: UUID, parent_run_id: UUID | None = None,
                       metadata: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -165,7 +165,7 @@ class TraceCollector(BaseCallbackHandler):
     def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
         events = self._runs.get(run_id.int)
         if events is not None:
-            events.append(("tool_error", run_id.int, None, None, error, time.time(), None))
+            events.append(("tool_error", run_id.int, None, None, Raised.of(error), time.time(), None))
 
     def _open_root(self, run: int, metadata: Mapping[str, Any] | None, extra: Any) -> tuple[list[Event], Any]:
         """A run whose parent this collector has not seen starts an episode: a new event list, and on a thread

@@ -179,3 +179,32 @@ def test_the_background_writer_gives_the_gil_back_while_building(monkeypatch) ->
     app.invoke(task_input(2))
     app.flush()
     assert len(sleeps) >= 5 and set(sleeps) == {"mappa-trace"}  # 22 events: a yield every 4
+
+
+@pytest.mark.filterwarnings("ignore::langgraph.warnings.LangGraphDeprecatedSinceV10")
+def test_events_waiting_for_their_build_hold_no_exception_and_its_frames() -> None:
+    """Every handoff is an exception whose traceback holds the run's frames (state, config, callbacks): the
+    events waiting for their build kept all of that alive. They hold what the build reads of it instead, and
+    the handoffs and errors come out the same."""
+    from mappa_graph.capture.collector import TraceCollector
+    from tests.capture.apps import supervisor_app
+
+    queued: list = []
+
+    class Later:
+        def submit(self, fn, /, *args):
+            queued.append((fn, args))
+            return self
+
+        def result(self, timeout=None):
+            return None
+
+    collector = TraceCollector(executor=Later())
+    supervisor_app().invoke({"messages": [{"role": "user", "content": "solve task-5"}]}, {"callbacks": [collector]})
+    (build, (events,)), = queued
+    errors = [event[4] for event in events if event[0].endswith("_error")]
+    assert len(errors) >= 2  # the supervisor's two handoffs, at least
+    assert not any(isinstance(event[4], BaseException) for event in events)
+    episode = build(events)
+    assert [a.handoff for a in episode.actions if a.handoff] == [["researcher"], ["math_expert"]]
+    assert all(a.error is None for a in episode.actions)

@@ -43,8 +43,13 @@ class Raised(NamedTuple):
     def of(cls, error: BaseException) -> Raised:
         from langgraph.errors import GraphInterrupt, ParentCommand
 
-        control = isinstance(error, (GraphInterrupt, ParentCommand))
-        return cls(type(error), error.args, "" if control else str(error))
+        if isinstance(error, (GraphInterrupt, ParentCommand)):
+            return cls(type(error), error.args, "")
+        try:
+            text = str(error)
+        except Exception:  # noqa: BLE001 - an error that cannot say what it is still ends its run's record
+            text = f"<{type(error).__name__} whose str() raised>"
+        return cls(type(error), error.args, text)
 
 # events replayed between two yields of the GIL on the background writer (see courtesy.py): measured on the
 # 3-node benchmark graph, every 4 cost the graph least (every event: more switches than the graph gains)

@@ -208,3 +208,23 @@ def test_events_waiting_for_their_build_hold_no_exception_and_its_frames() -> No
     episode = build(events)
     assert [a.handoff for a in episode.actions if a.handoff] == [["researcher"], ["math_expert"]]
     assert all(a.error is None for a in episode.actions)
+
+
+def test_an_error_that_cannot_be_printed_still_ends_its_episode() -> None:
+    from langgraph.graph import START, StateGraph
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no text")
+
+    def boom(state: dict) -> dict:
+        raise Unprintable()
+
+    graph = StateGraph(dict)
+    graph.add_node("boom", boom)
+    graph.add_edge(START, "boom")
+    app = instrument(graph.compile())
+    with pytest.raises(Unprintable):
+        app.invoke({"x": 1})
+    (episode,) = app.episodes
+    assert episode.status == "error" and episode.error == "Unprintable: <Unprintable whose str() raised>"

@@ -26,6 +26,7 @@ from typing import Any
 
 from langchain_core.callbacks import BaseCallbackManager
 from langchain_core.runnables import Runnable, RunnableConfig
+from pydantic_core import PydanticSerializationError
 
 from ..traces import Episode
 from .collector import TraceCollector
@@ -197,6 +198,11 @@ def _drain_workers() -> None:
         worker.shutdown(wait=True)
 
 
+def _episode(kept: str | Episode) -> Episode:
+    """A kept episode as `episodes` returns it: parsed from its JSON text (a new copy on each read)."""
+    return Episode.model_validate_json(kept) if isinstance(kept, str) else kept
+
+
 def _of_graph(name: str) -> Any:
     """The wrapped graph's attribute `name` (a method comes bound to the graph): for what Runnable defines
     itself and so never reaches `__getattr__`."""
@@ -206,7 +212,7 @@ def _of_graph(name: str) -> Any:
 class InstrumentedGraph(Runnable[Any, Any]):
     """Behaves like the compiled graph it wraps (`invoke`, `ainvoke`, `stream`, `astream`, `batch`, `abatch`,
     and every other attribute by delegation); each call also yields an Episode, kept in `episodes` (the most
-    recent `keep` of them, each read gives new copies) and written to the store when one is given.
+    recent `keep` of them; each read gives new copies of those that are JSON) and written to the store when one is given.
 
     With `background=True` (the default) episodes are built and stored on a worker thread, off the graph's
     hot path; `episodes`, `last_episode`, `run_episode`, `flush()` and the store's own reads (`store.episodes()`,
@@ -247,7 +253,7 @@ class InstrumentedGraph(Runnable[Any, Any]):
         saver = getattr(graph, "checkpointer", None)
         self._checkpointer = saver if hasattr(saver, "get_tuple") else None
         self.keep = keep
-        self._episodes: list[str] = []  # as JSON text: see _record
+        self._episodes: list[str | Episode] = []  # as JSON text: see _record
         self._episodes_lock = threading.Lock()
         self._worker = _TraceWorker() if background else None
         if store is not None and self._worker is not None:
@@ -263,10 +269,14 @@ class InstrumentedGraph(Runnable[Any, Any]):
         """Keep the episode as its JSON text (and store it). As Python objects, kept episodes (some 60 containers
         for a 4-action one) outlived the garbage collector's young generations, and each quarter more of them
         in its oldest one set off a full collection of the whole process, on whichever thread was allocating:
-        0.2 ms per run of the overhead benchmark's graph. A string is nothing for the collector to walk."""
-        text = episode.model_dump_json()
+        0.2 ms per run of the overhead benchmark's graph. A string is nothing for the collector to walk. An
+        episode that is not JSON (a reference or metadata value of the app's own type) is kept as it is."""
+        try:
+            kept: str | Episode = episode.model_dump_json()
+        except PydanticSerializationError:
+            kept = episode
         with self._episodes_lock:
-            self._episodes.append(text)
+            self._episodes.append(kept)
             if len(self._episodes) > self.keep:
                 del self._episodes[: len(self._episodes) - self.keep]
         if self.store is not None:
@@ -281,8 +291,8 @@ class InstrumentedGraph(Runnable[Any, Any]):
     def episodes(self) -> list[Episode]:
         self.flush()
         with self._episodes_lock:
-            texts = list(self._episodes)
-        return [Episode.model_validate_json(text) for text in texts]
+            kept = list(self._episodes)
+        return [_episode(item) for item in kept]
 
     def _config(self, config: RunnableConfig | None, task_id: str | None = None, reference: Any = None, *,
                 keep: bool = False):
@@ -300,8 +310,8 @@ class InstrumentedGraph(Runnable[Any, Any]):
     def last_episode(self) -> Episode | None:
         self.flush()
         with self._episodes_lock:
-            text = self._episodes[-1] if self._episodes else None
-        return Episode.model_validate_json(text) if text is not None else None
+            kept = self._episodes[-1] if self._episodes else None
+        return _episode(kept) if kept is not None else None
 
     # ---- the Runnable interface ---------------------------------------------------------------------
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:

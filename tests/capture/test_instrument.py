@@ -324,3 +324,16 @@ def test_the_public_scripted_model_drives_a_prebuilt_agent() -> None:
     assert app.invoke({"messages": [HumanMessage("double 21")]})["messages"][-1].content == "it is 42"
     assert [(a.path, [r.output for r in a.tool_results]) for a in app.last_episode.actions if a.kind == "llm"] == [
         ("model", ["42"]), ("model", [])]
+
+
+def test_an_episode_that_is_not_json_is_still_kept() -> None:
+    class Answer:  # the app's own type, as a task's reference
+        value = 106
+
+    app = instrument(build_graph().compile())
+    reference = Answer()
+    _, episode = app.run_episode(task_input(6), task_id="t6", reference=reference)
+    app.invoke(task_input(7))
+    kept = app.episodes
+    assert kept[0].reference is reference and episode.reference is reference
+    assert kept[1].task_id is None and len(kept[1].actions) == 4

@@ -32,8 +32,8 @@ class Raised(NamedTuple):
     """An error event's payload: what the build reads of an exception, without the exception. An exception
     holds its traceback, whose frames hold the run's state, config and callbacks, and LangGraph raises one for
     every handoff; kept in the events until the build, those frames outlived the garbage collector's young
-    generation and were walked again in each older one (a supervisor team's collections took 2.5 times as
-    long traced as untraced)."""
+    generation and were walked again in the next (a supervisor team's generation-1 collections took 71 ms per
+    256 runs traced, 14 untraced; 31 with this record)."""
 
     type: type[BaseException]
     args: tuple[Any, ...]
@@ -171,8 +171,8 @@ class EpisodeBuilder:
             return self._finish()
         finally:
             # A task and its inner tasks point at each other: unlinked, the whole tree (its actions and their
-            # messages) is freed now, not left as cyclic garbage (some 600 objects per run of a supervisor
-            # team) that made the garbage collector run about six times as long as the team's own.
+            # messages) is freed now, not left as cyclic garbage for the garbage collector to find (some 300
+            # objects per run of a supervisor team).
             for node_run in self.node_of_action.values():
                 node_run.parent, node_run.children = None, []
 

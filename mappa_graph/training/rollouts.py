@@ -5,6 +5,7 @@ Ray workers (ray_rollouts.py) share these, which is what keeps the two paths' ep
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import uuid
 from collections.abc import Callable
@@ -29,6 +30,7 @@ class RolloutJob(BaseModel):
     reference: Any = None
     run: str
     metadata: dict[str, Any]
+    use_async: bool | None = None  # run with ainvoke; None: when the app has a tool that only runs async
 
 
 class RolloutResult(BaseModel):
@@ -39,18 +41,44 @@ class RolloutResult(BaseModel):
 def run_job(graph: InstrumentedGraph, job: RolloutJob) -> RolloutResult:
     """Run one rollout; a graph that raises returns its error and partial episode (the caller counts it).
     An app compiled with a checkpointer needs a thread: each rollout gets a new one, so no rollout continues
-    another's (or an earlier run's) conversation."""
+    another's (or an earlier run's) conversation. An app with a tool that only runs async runs with `ainvoke`
+    on an event loop of this thread's own (`job.use_async`, by default when `has_async_only_tools`)."""
     config: dict[str, Any] = {"metadata": job.metadata}
     if getattr(graph.graph, "checkpointer", None) not in (None, False):
         config["configurable"] = {"thread_id": f"mappa-rollout-{uuid.uuid4().hex}"}
+    use_async = job.use_async if job.use_async is not None else has_async_only_tools(graph.graph)
+    kwargs = {"task_id": job.task_id, "reference": job.reference, "config": config}
     try:
-        _, episode = graph.run_episode(job.input, task_id=job.task_id, reference=job.reference, config=config)
+        if use_async:
+            _, episode = asyncio.run(graph.arun_episode(job.input, **kwargs))
+        else:
+            _, episode = graph.run_episode(job.input, **kwargs)
     except Exception as exc:
         mine = job.metadata.get("mappa_episode_metadata", {})
         partial = next((e for e in reversed(graph.episodes) if e.task_id == job.task_id
                         and all(e.metadata.get(k) == v for k, v in mine.items())), None)
-        return RolloutResult(episode=partial, error=f"{type(exc).__name__}: {exc}")
+        error = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, NotImplementedError) and "sync invocation" in str(exc) and not use_async:
+            error += (" (a tool of the app runs only async and was called by invoke: set "
+                      "TrainConfig(async_rollouts=True) to run rollouts with ainvoke)")
+        return RolloutResult(episode=partial, error=error)
     return RolloutResult(episode=episode)
+
+
+def has_async_only_tools(graph: Any) -> bool:
+    """Whether a ToolNode of the app (or of a subgraph: a supervisor's worker, an agent node) holds a tool with
+    no sync implementation (an `async def` @tool, an MCP tool): `invoke` would fail at its first call with
+    LangChain's "does not support sync invocation", `ainvoke` runs it. A tool called from a node's own code
+    cannot be seen here: `TrainConfig(async_rollouts=True)` covers that."""
+    subgraphs = getattr(graph, "get_subgraphs", None)  # absent on an app that is not a LangGraph graph
+    graphs = [graph, *(sub for _, sub in subgraphs(recurse=True))] if subgraphs is not None else [graph]
+    for pregel in graphs:
+        for node in (getattr(pregel, "nodes", None) or {}).values():
+            tools = getattr(getattr(node, "bound", None), "tools_by_name", None) or {}
+            if any(getattr(t, "func", None) is None and getattr(t, "coroutine", None) is not None
+                   for t in tools.values()):
+                return True
+    return False
 
 
 def rollout_metadata(seed: int, iteration: int, task_id: str, g: int, greedy: bool = False,

@@ -199,7 +199,8 @@ class Trainer:
         run = run or (graph.run if graph is not None else self.config.run_name)
         jobs = [RolloutJob(task_id=task.id, input=task.input, reference=task.reference, run=run,
                            metadata=rollout_metadata(self.config.seed, iteration, task.id, g, greedy,
-                                                     self.config.temperature))
+                                                     self.config.temperature),
+                           use_async=self.config.async_rollouts)
                 for task in tasks for g in range(rollouts or self.config.rollouts_per_task)]
         positions = list(range(len(jobs)))
         if distributed.is_distributed():  # each rank runs its share; gather() puts them back in this order

@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mappa_graph"
-CONTRACT = {"traces", "messages", "errors"}  # the top-level modules every part may read
+CONTRACT = {"traces", "messages", "errors", "event_loop"}  # the top-level modules every part may read
 HEAVY = {"torch", "transformers", "peft"}
 
 # part -> (the other parts of mappa_graph it may import, third-party packages it must never import)
 RULES: dict[str, tuple[set[str], set[str]]] = {
     "traces": (set(), HEAVY | {"langgraph", "langchain_core"}),
     "errors": (set(), HEAVY | {"langgraph", "langchain_core", "pydantic"}),
+    "event_loop": (set(), HEAVY | {"langgraph", "langchain_core", "pydantic"}),
     "messages": ({"traces"}, HEAVY | {"langgraph"}),
     "capture": (CONTRACT, HEAVY),
     "judging": (CONTRACT | {"capture"}, HEAVY | {"langgraph"}),

@@ -15,24 +15,29 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
 import os
+import pickle
 import queue
 import threading
 import weakref
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
 from langchain_core.callbacks import BaseCallbackManager
 from langchain_core.runnables import Runnable, RunnableConfig
-from pydantic_core import PydanticSerializationError
 
 from ..traces import Episode
 from .collector import TraceCollector
 from .courtesy import mark_background
 from .paths import AgentResolver, AgentsSpec
 from .store import TraceStore
+
+log = logging.getLogger(__name__)
 
 
 def _check_compiled(graph: Any) -> None:
@@ -90,21 +95,21 @@ class _TraceWorker(Executor):
         # Jobs run in order, so waiting for the last one waits for all; the failed ones are kept for flush()
         # to raise. Nothing else of a finished job stays: a server that never flushes must not keep them all.
         self._last: _Job | None = None
-        self._errors: list[BaseException] = []
+        self._errors: deque[BaseException] = deque()  # append and popleft are atomic
         self._jobs_lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
         job = _Job()
-        with self._jobs_lock:
-            self._last = job
+        with self._jobs_lock:  # `_last` is the last job queued: two threads' submits must not cross
             if self._thread is None:  # the first job (a forked child's copy forgets its thread, see below)
                 self._thread = threading.Thread(target=_work, args=(self._queue, self._errors), name="mappa-trace",
                                                 daemon=True)
                 self._thread.start()
                 weakref.finalize(self, self._queue.put, None)
                 _WORKERS.add(self)
-        self._queue.put((job, fn, args, kwargs))
+            self._last = job
+            self._queue.put((job, fn, args, kwargs))  # C-level, never waits: the worker takes no lock to get
         return job
 
     def flush(self) -> None:
@@ -113,8 +118,12 @@ class _TraceWorker(Executor):
         last = self._last
         if last is not None:
             last.exception()
-        errors = self._errors[:]  # the worker only appends; a failure after the copy stays for the next flush
-        del self._errors[: len(errors)]
+        errors = []
+        with suppress(IndexError):  # each failure is taken once, by one flush, whichever thread flushes
+            while True:
+                errors.append(self._errors.popleft())
+        for error in errors[1:]:
+            log.error("mappa_graph: another episode failed to build or store: %r", error)
         if errors:
             raise errors[0]
 
@@ -142,7 +151,7 @@ class _Job:
         self._error: BaseException | None = None
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-            errors: list[BaseException]) -> None:
+            errors: deque[BaseException]) -> None:
         """Called once, by the worker thread; a failure joins `errors` before the job counts as done, so a
         flush() that waited for it sees it."""
         try:
@@ -165,7 +174,7 @@ class _Job:
             raise error
 
 
-def _work(jobs: queue.SimpleQueue[Any], errors: list[BaseException]) -> None:
+def _work(jobs: queue.SimpleQueue[Any], errors: deque[BaseException]) -> None:
     """The worker thread: run jobs in order until a None, keeping the errors of those that failed."""
     mark_background()
     while (item := jobs.get()) is not None:
@@ -198,9 +207,9 @@ def _drain_workers() -> None:
         worker.shutdown(wait=True)
 
 
-def _episode(kept: str | Episode) -> Episode:
-    """A kept episode as `episodes` returns it: parsed from its JSON text (a new copy on each read)."""
-    return Episode.model_validate_json(kept) if isinstance(kept, str) else kept
+def _episode(kept: bytes | Episode) -> Episode:
+    """A kept episode as `episodes` returns it: unpickled (a new copy on each read)."""
+    return pickle.loads(kept) if isinstance(kept, bytes) else kept  # our own bytes, never read from outside
 
 
 def _of_graph(name: str) -> Any:
@@ -212,7 +221,7 @@ def _of_graph(name: str) -> Any:
 class InstrumentedGraph(Runnable[Any, Any]):
     """Behaves like the compiled graph it wraps (`invoke`, `ainvoke`, `stream`, `astream`, `batch`, `abatch`,
     and every other attribute by delegation); each call also yields an Episode, kept in `episodes` (the most
-    recent `keep` of them; each read gives new copies of those that are JSON) and written to the store when one is given.
+    recent `keep` of them; each read gives new copies) and written to the store when one is given.
 
     With `background=True` (the default) episodes are built and stored on a worker thread, off the graph's
     hot path; `episodes`, `last_episode`, `run_episode`, `flush()` and the store's own reads (`store.episodes()`,
@@ -253,7 +262,7 @@ class InstrumentedGraph(Runnable[Any, Any]):
         saver = getattr(graph, "checkpointer", None)
         self._checkpointer = saver if hasattr(saver, "get_tuple") else None
         self.keep = keep
-        self._episodes: list[str | Episode] = []  # as JSON text: see _record
+        self._episodes: list[bytes | Episode] = []  # pickled: see _record
         self._episodes_lock = threading.Lock()
         self._worker = _TraceWorker() if background else None
         if store is not None and self._worker is not None:
@@ -266,14 +275,15 @@ class InstrumentedGraph(Runnable[Any, Any]):
                               keep_episodes=keep)
 
     def _record(self, episode: Episode) -> None:
-        """Keep the episode as its JSON text (and store it). As Python objects, kept episodes (some 60 containers
-        for a 4-action one) outlived the garbage collector's young generations, and each quarter more of them
-        in its oldest one set off a full collection of the whole process, on whichever thread was allocating:
-        0.2 ms per run of the overhead benchmark's graph. A string is nothing for the collector to walk. An
-        episode that is not JSON (a reference or metadata value of the app's own type) is kept as it is."""
+        """Keep the episode pickled (and store it). As Python objects, kept episodes (some 60 containers for a
+        4-action one) outlived the garbage collector's young generations, and each quarter more of them in its
+        oldest one set off a full collection of the whole process, on whichever thread was allocating: 0.2 ms
+        per run of the overhead benchmark's graph. Bytes are nothing for the collector to walk, and unlike JSON
+        they give back every value as it was (a tuple, a date, an infinite log-prob, the app's own reference
+        type). An episode that cannot be pickled is kept as it is."""
         try:
-            kept: str | Episode = episode.model_dump_json()
-        except PydanticSerializationError:
+            kept: bytes | Episode = pickle.dumps(episode, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001 - e.g. a reference holding a lambda: kept as the object instead
             kept = episode
         with self._episodes_lock:
             self._episodes.append(kept)
@@ -305,6 +315,13 @@ class InstrumentedGraph(Runnable[Any, Any]):
         if reference is not None:
             extra["mappa_reference"] = reference
         return _with_handler(config, collector, extra), collector
+
+    def episodes_newest_first(self) -> Iterator[Episode]:
+        """The kept episodes from the most recent back, each unpickled only when the iteration reaches it."""
+        self.flush()
+        with self._episodes_lock:
+            kept = list(self._episodes)
+        return (_episode(item) for item in reversed(kept))
 
     @property
     def last_episode(self) -> Episode | None:

@@ -25,10 +25,10 @@ import logging
 import random
 import threading
 from collections import Counter
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from langchain_core.exceptions import ModelError
 from langchain_core.language_models import BaseChatModel
@@ -36,13 +36,14 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 from langchain_core.runnables import RunnableConfig
 
 from ..errors import JudgeError, ReplyError
+from ..event_loop import BackgroundLoop
 from ..traces import Action, Episode, Reward
 from .llm_cache import JudgeCache
 from .llm_prompt import DEFAULT_RUBRIC, JudgePrompt, build_prompt, clip_text, repair_request
 from .llm_reply import parse_reply, reply_text
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
+
 
 def is_transient(exc: BaseException) -> bool:
     """Whether retrying the same request may succeed: connection trouble, timeouts, 408/409/429 and 5xx."""
@@ -102,34 +103,7 @@ class _CallFailed(Exception):
 
 
 # ---- the sync bridge ----------------------------------------------------------------------------------
-class _JudgeLoop:
-    """One long-lived event loop in a daemon thread that runs every sync `score()`.
-
-    A fresh `asyncio.run` per call would break clients that pool connections per loop (langchain-openai caches
-    one async httpx client per base URL; its sockets die with the first loop: "Event loop is closed"). Running
-    in this thread also makes `score()` safe to call from inside a running event loop.
-    """
-
-    _lock = threading.Lock()
-    _loop: asyncio.AbstractEventLoop | None = None
-    _thread: threading.Thread | None = None
-
-    @classmethod
-    def run(cls, coro: Coroutine[Any, Any, T]) -> T:
-        with cls._lock:
-            if cls._loop is None:
-                cls._loop = asyncio.new_event_loop()
-                cls._thread = threading.Thread(target=cls._loop.run_forever, name="mappa-judge-loop", daemon=True)
-                cls._thread.start()
-        if threading.current_thread() is cls._thread:
-            coro.close()
-            raise RuntimeError("LLMJudge.score() was called from the judge's own event loop: await ascore() there")
-        future = asyncio.run_coroutine_threadsafe(coro, cls._loop)
-        try:
-            return future.result()
-        except BaseException:
-            future.cancel()
-            raise
+_JUDGE_LOOP = BackgroundLoop("mappa-judge-loop", own_thread_hint="await ascore() there, not score()")
 
 
 # ---- the judge ----------------------------------------------------------------------------------------
@@ -214,11 +188,11 @@ class LLMJudge:
     # ---- public scoring ---------------------------------------------------------------------------------
     def score(self, episode: Episode, actions: Sequence[Action] | None = None) -> list[Reward]:
         """Score the episode's actions (all by default), concurrently; blocks, even inside a running loop."""
-        return _JudgeLoop.run(self.ascore(episode, actions))
+        return _JUDGE_LOOP.run(self.ascore(episode, actions))
 
     def score_many(self, items: Iterable[EpisodeItem]) -> list[list[Reward]]:
         """Score many episodes (or `(episode, actions)` pairs) in one concurrent batch; one list per item."""
-        return _JudgeLoop.run(self.ascore_many(list(items)))
+        return _JUDGE_LOOP.run(self.ascore_many(list(items)))
 
     async def ascore(self, episode: Episode, actions: Sequence[Action] | None = None) -> list[Reward]:
         return (await self.ascore_many([(episode, actions)]))[0]

@@ -5,7 +5,6 @@ Ray workers (ray_rollouts.py) share these, which is what keeps the two paths' ep
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import uuid
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from ..capture.instrument import InstrumentedGraph
+from ..event_loop import BackgroundLoop
 from ..traces import Episode
 
 if TYPE_CHECKING:
@@ -38,46 +38,62 @@ class RolloutResult(BaseModel):
     error: str | None = None
 
 
+# Async rollouts run here, every one on the same loop: see event_loop.py (a loop per rollout broke ChatOpenAI).
+_ROLLOUT_LOOP = BackgroundLoop("mappa-rollout-loop", own_thread_hint="await graph.arun_episode() there")
+
+
 def run_job(graph: InstrumentedGraph, job: RolloutJob) -> RolloutResult:
     """Run one rollout; a graph that raises returns its error and partial episode (the caller counts it).
     An app compiled with a checkpointer needs a thread: each rollout gets a new one, so no rollout continues
-    another's (or an earlier run's) conversation. An app with a tool that only runs async runs with `ainvoke`
-    on an event loop of this thread's own (`job.use_async`, by default when `has_async_only_tools`)."""
-    config: dict[str, Any] = {"metadata": job.metadata}
+    another's (or an earlier run's) conversation. An app with a tool that only runs async runs with `ainvoke`,
+    on one long-lived event loop that every such rollout shares (`job.use_async`, by default when
+    `has_async_only_tools`). Each episode's metadata carries its `rollout_id`."""
+    rollout_id = uuid.uuid4().hex
+    mine = {**job.metadata.get("mappa_episode_metadata", {}), "rollout_id": rollout_id}
+    config: dict[str, Any] = {"metadata": {**job.metadata, "mappa_episode_metadata": mine}}
     if getattr(graph.graph, "checkpointer", None) not in (None, False):
-        config["configurable"] = {"thread_id": f"mappa-rollout-{uuid.uuid4().hex}"}
-    use_async = job.use_async if job.use_async is not None else has_async_only_tools(graph.graph)
+        config["configurable"] = {"thread_id": f"mappa-rollout-{rollout_id}"}
     kwargs = {"task_id": job.task_id, "reference": job.reference, "config": config}
+    use_async = job.use_async
     try:
+        if use_async is None:
+            use_async = has_async_only_tools(graph.graph)
         if use_async:
-            _, episode = asyncio.run(graph.arun_episode(job.input, **kwargs))
+            _, episode = _ROLLOUT_LOOP.run(graph.arun_episode(job.input, **kwargs))
         else:
             _, episode = graph.run_episode(job.input, **kwargs)
-    except Exception as exc:
-        mine = job.metadata.get("mappa_episode_metadata", {})
-        partial = next((e for e in reversed(graph.episodes) if e.task_id == job.task_id
-                        and all(e.metadata.get(k) == v for k, v in mine.items())), None)
+    except Exception as exc:  # noqa: BLE001 - one broken rollout must not end a run of hours
+        partial = next((e for e in graph.episodes_newest_first() if e.metadata.get("rollout_id") == rollout_id),
+                       None)
         error = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, NotImplementedError) and "sync invocation" in str(exc) and not use_async:
-            error += (" (a tool of the app runs only async and was called by invoke: set "
+        if isinstance(exc, NotImplementedError) and not use_async:
+            error += (" (if a tool of the app runs only async, invoke cannot call it: set "
                       "TrainConfig(async_rollouts=True) to run rollouts with ainvoke)")
         return RolloutResult(episode=partial, error=error)
     return RolloutResult(episode=episode)
 
 
 def has_async_only_tools(graph: Any) -> bool:
-    """Whether a ToolNode of the app (or of a subgraph: a supervisor's worker, an agent node) holds a tool with
-    no sync implementation (an `async def` @tool, an MCP tool): `invoke` would fail at its first call with
-    LangChain's "does not support sync invocation", `ainvoke` runs it. A tool called from a node's own code
-    cannot be seen here: `TrainConfig(async_rollouts=True)` covers that."""
+    """Whether a ToolNode of the app (or of a subgraph: a supervisor's worker, an agent node; wrapped or not,
+    as `with_retry()` does) holds a tool made from a coroutine alone (an `async def` @tool, an MCP tool):
+    `invoke` fails at its first call with LangChain's "does not support sync invocation", `ainvoke` runs it. A
+    tool called from a node's own code, or a BaseTool whose `_run` raises, cannot be seen here:
+    `TrainConfig(async_rollouts=True)` covers those."""
     subgraphs = getattr(graph, "get_subgraphs", None)  # absent on an app that is not a LangGraph graph
     graphs = [graph, *(sub for _, sub in subgraphs(recurse=True))] if subgraphs is not None else [graph]
     for pregel in graphs:
         for node in (getattr(pregel, "nodes", None) or {}).values():
-            tools = getattr(getattr(node, "bound", None), "tools_by_name", None) or {}
-            if any(getattr(t, "func", None) is None and getattr(t, "coroutine", None) is not None
-                   for t in tools.values()):
-                return True
+            runnable = getattr(node, "bound", None)
+            for _ in range(8):  # a ToolNode inside bindings and retries (each keeps what it wraps in `bound`)
+                tools = getattr(runnable, "tools_by_name", None)
+                if tools is not None:
+                    if any(getattr(t, "func", None) is None and getattr(t, "coroutine", None) is not None
+                           for t in tools.values()):
+                        return True
+                    break
+                runnable = getattr(runnable, "bound", None)
+                if runnable is None:
+                    break
     return False
 
 

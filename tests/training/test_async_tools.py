@@ -3,7 +3,9 @@ its ToolNode fails at the first call, so rollouts run with `ainvoke`, by default
 
 from __future__ import annotations
 
+import asyncio
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -23,9 +25,13 @@ from tests.fakes import ScriptedChatModel
 pytestmark = pytest.mark.filterwarnings("ignore::langgraph.warnings.LangGraphDeprecatedSinceV10")
 
 
+LOOPS: list = []  # every loop the async tool ran on, kept alive so no two can share an id
+
+
 @tool
 async def lookup(query: str) -> str:
     """Look the query up."""
+    LOOPS.append(asyncio.get_running_loop())
     return f"notes on {query}"
 
 
@@ -75,6 +81,38 @@ def test_run_job_picks_ainvoke_and_says_what_to_set_when_told_not_to() -> None:
     forced = run_job(app, job.model_copy(update={"use_async": False}))
     assert "does not support sync invocation" in forced.error and "async_rollouts=True" in forced.error
     assert forced.episode is not None and forced.episode.status == "error"  # the partial run, kept
+
+
+def test_async_rollouts_share_one_event_loop_from_any_thread_or_running_loop() -> None:
+    """A loop per rollout broke clients that pool connections per loop (ChatOpenAI: "Event loop is closed"),
+    and `asyncio.run` refused inside a running loop (a notebook, an async server)."""
+    from mappa_graph import instrument
+
+    app = instrument(team())
+    job = RolloutJob(task_id="t", input={"messages": [{"role": "user", "content": "q"}]}, run="r", metadata={})
+    LOOPS.clear()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda _: run_job(app, job), range(4)))
+
+    async def inside_a_loop():
+        return run_job(app, job)
+
+    results.append(asyncio.run(inside_a_loop()))
+    assert [r.error for r in results] == [None] * 5
+    assert len(LOOPS) == 5 and len({id(loop) for loop in LOOPS}) == 1
+    assert len({r.episode.metadata["rollout_id"] for r in results}) == 5
+
+
+def test_the_trainer_passes_async_rollouts_on(tmp_path, tiny_path, one_torch_thread) -> None:
+    """Told not to run rollouts async, the trainer's rollouts fail, and the error says which setting to change."""
+    policies = AgentPolicies.from_pretrained(str(tiny_path), ["writer"])
+    tasks = [Task(id=f"t{n}", input={"messages": [{"role": "user", "content": f"topic {n}"}]}) for n in range(2)]
+    config = TrainConfig(run_name="sync", output_dir=str(tmp_path), iterations=1, tasks_per_iteration=2,
+                         rollouts_per_task=2, rollout_concurrency=2, max_new_tokens=2, async_rollouts=False)
+    trainer = Trainer(team, policies, VerifierJudge(lambda a, e, r: 1.0, name="one"), tasks, config)
+    with pytest.raises(RuntimeError, match="async_rollouts=True"):
+        trainer.train()
+    trainer.close()
 
 
 def test_the_trainer_trains_an_app_whose_tool_runs_only_async(tmp_path, tiny_path, one_torch_thread) -> None:

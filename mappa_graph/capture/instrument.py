@@ -299,10 +299,13 @@ class InstrumentedGraph(Runnable[Any, Any]):
 
     @property
     def episodes(self) -> list[Episode]:
+        return [_episode(item) for item in self._kept()]
+
+    def _kept(self) -> list[bytes | Episode]:
+        """The kept episodes as stored, once every finished call's is in."""
         self.flush()
         with self._episodes_lock:
-            kept = list(self._episodes)
-        return [_episode(item) for item in kept]
+            return list(self._episodes)
 
     def _config(self, config: RunnableConfig | None, task_id: str | None = None, reference: Any = None, *,
                 keep: bool = False):
@@ -318,17 +321,11 @@ class InstrumentedGraph(Runnable[Any, Any]):
 
     def episodes_newest_first(self) -> Iterator[Episode]:
         """The kept episodes from the most recent back, each unpickled only when the iteration reaches it."""
-        self.flush()
-        with self._episodes_lock:
-            kept = list(self._episodes)
-        return (_episode(item) for item in reversed(kept))
+        return (_episode(item) for item in reversed(self._kept()))
 
     @property
     def last_episode(self) -> Episode | None:
-        self.flush()
-        with self._episodes_lock:
-            kept = self._episodes[-1] if self._episodes else None
-        return _episode(kept) if kept is not None else None
+        return next(self.episodes_newest_first(), None)
 
     # ---- the Runnable interface ---------------------------------------------------------------------
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:

@@ -40,8 +40,8 @@ class TrainConfig(BaseModel):
     tasks_per_iteration: int = Field(8, ge=1, description="tasks drawn per iteration")
     rollouts_per_task: int = Field(2, ge=1, description="G: rollouts of each task per iteration")
     rollout_concurrency: int = Field(4, ge=1, description="episodes run at once")
-    async_rollouts: bool | None = Field(None, description="run each rollout with ainvoke (on an event loop of "
-                                        "its own thread); None: when a ToolNode of the app holds a tool that "
+    async_rollouts: bool | None = Field(None, description="run rollouts with ainvoke (on one long-lived event "
+                                        "loop they share); None: when a ToolNode of the app holds a tool that "
                                         "only runs async (an async def @tool, an MCP tool)")
     rollout_backend: Literal["local", "ray"] = Field("local", description="where rollouts and judge calls run")
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray workers (rollout_backend='ray')")

@@ -36,7 +36,7 @@ from .loss import behaviour_tensor, clipped_surrogate, flatten_tokens, k1_kl, k3
 from .metrics import MetricsLog
 from .offline import stored_batch
 from .optim import AgentOptimizers
-from .rollouts import OnVersion, RolloutJob, build_graph, rollout_metadata, run_job, split_team
+from .rollouts import OnVersion, RolloutJob, build_graph, has_async_only_tools, rollout_metadata, run_job, split_team
 
 log = logging.getLogger(__name__)
 
@@ -197,10 +197,13 @@ class Trainer:
         """G rollouts of each task, run concurrently; each call is seeded from (seed, iteration, task, g)."""
         graph = graph or self.graph
         run = run or (graph.run if graph is not None else self.config.run_name)
+        use_async = self.config.async_rollouts
+        if use_async is None and graph is not None:  # decided once for the batch, not per rollout
+            use_async = has_async_only_tools(graph.graph)
         jobs = [RolloutJob(task_id=task.id, input=task.input, reference=task.reference, run=run,
                            metadata=rollout_metadata(self.config.seed, iteration, task.id, g, greedy,
                                                      self.config.temperature),
-                           use_async=self.config.async_rollouts)
+                           use_async=use_async)
                 for task in tasks for g in range(rollouts or self.config.rollouts_per_task)]
         positions = list(range(len(jobs)))
         if distributed.is_distributed():  # each rank runs its share; gather() puts them back in this order

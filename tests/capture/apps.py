@@ -213,6 +213,24 @@ class Flaky(Exception):
     """A transient failure LangGraph's default retry_on retries."""
 
 
+def fail_once(failed: set[str], task: str, message: str) -> None:
+    """Raise Flaky on a task's first attempt only (per task, so batch and parallel calls each fail once)."""
+    if task not in failed:
+        failed.add(task)
+        raise Flaky(message)
+
+
+def then_retried(state: type, first: tuple[str, Callable], retried: tuple[str, Callable], *, attempts: int) -> Any:
+    """START -> first -> retried -> END, `retried` under a RetryPolicy of `attempts` that does not wait."""
+    graph = StateGraph(state)
+    graph.add_node(*first)
+    graph.add_node(*retried, retry_policy=RetryPolicy(max_attempts=attempts, initial_interval=0.0, jitter=False))
+    graph.add_edge(START, first[0])
+    graph.add_edge(first[0], retried[0])
+    graph.add_edge(retried[0], END)
+    return graph.compile()
+
+
 class DocState(TypedDict, total=False):
     task: str
     draft: str
@@ -229,18 +247,10 @@ def retry_app() -> Any:
 
     def publish(state: DocState) -> dict:
         edited = editor.invoke([HumanMessage(state["draft"])]).content
-        if state["task"] not in failed:
-            failed.add(state["task"])
-            raise Flaky("the press was busy")
+        fail_once(failed, state["task"], "the press was busy")
         return {"published": edited}
 
-    graph = StateGraph(DocState)
-    graph.add_node("write", write)
-    graph.add_node("publish", publish, retry_policy=RetryPolicy(max_attempts=3, initial_interval=0.0, jitter=False))
-    graph.add_edge(START, "write")
-    graph.add_edge("write", "publish")
-    graph.add_edge("publish", END)
-    return graph.compile()
+    return then_retried(DocState, ("write", write), ("publish", publish), attempts=3)
 
 
 def retry_expected(n: int) -> list[tuple]:
@@ -304,18 +314,11 @@ def repeated_runs_app() -> Any:
     def team(state: RunsState) -> dict:
         parts = [drafts.invoke({"part": f"{state['task']}.{i}"})["draft"] for i in range(2)]
         review = reviewer.invoke({"messages": [HumanMessage(" + ".join(parts))]})["messages"][-1].content
-        if state["task"] not in failed:
-            failed.add(state["task"])
-            raise Flaky("the reviewer timed out")
+        fail_once(failed, state["task"], "the reviewer timed out")
         return {"review": review}
 
-    graph = StateGraph(RunsState)
-    graph.add_node("brief", lambda s: {"brief": briefer.invoke([HumanMessage(s["task"])]).content})
-    graph.add_node("team", team, retry_policy=RetryPolicy(max_attempts=2, initial_interval=0.0, jitter=False))
-    graph.add_edge(START, "brief")
-    graph.add_edge("brief", "team")
-    graph.add_edge("team", END)
-    return graph.compile()
+    brief = ("brief", lambda s: {"brief": briefer.invoke([HumanMessage(s["task"])]).content})
+    return then_retried(RunsState, brief, ("team", team), attempts=2)
 
 
 def repeated_runs_expected(n: int) -> list[tuple]:

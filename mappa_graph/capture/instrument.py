@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import logging
 import os
 import pickle
@@ -54,6 +55,18 @@ def _check_compiled(graph: Any) -> None:
             f"instrument() needs a compiled LangGraph graph (CompiledStateGraph / Pregel), got "
             f"{type(graph).__name__}"
         )
+
+
+@functools.cache
+def _found_as_a_subgraph() -> None:
+    """Make LangGraph see an InstrumentedGraph as a graph. A parent graph finds a node's subgraph by type
+    (`PregelProtocol`): wrapped and used as a node, the subgraph was not found, and the parent's
+    `get_state(subgraphs=True)` lost its state while paused (so `update_state` inside it too), as did
+    `get_subgraphs()` and the debug stream. Every method LangGraph then calls reaches the wrapped graph.
+    Registered on the first instrument(), so importing mappa_graph.capture stays free of langgraph."""
+    from langgraph.pregel.protocol import PregelProtocol
+
+    PregelProtocol.register(InstrumentedGraph)
 
 
 def _with_handler(config: RunnableConfig | None, handler: TraceCollector, extra_metadata: Mapping[str, Any]) -> RunnableConfig:
@@ -118,14 +131,19 @@ class _TraceWorker(Executor):
         last = self._last
         if last is not None:
             last.exception()
-        errors = []
-        with suppress(IndexError):  # each failure is taken once, by one flush, whichever thread flushes
-            while True:
-                errors.append(self._errors.popleft())
+        errors = self._take_errors()
         for error in errors[1:]:
             log.error("mappa_graph: another episode failed to build or store: %r", error)
         if errors:
             raise errors[0]
+
+    def _take_errors(self) -> list[BaseException]:
+        """The failures no one has raised yet, each taken once, by one flush, whichever thread flushes."""
+        errors = []
+        with suppress(IndexError):
+            while True:
+                errors.append(self._errors.popleft())
+        return errors
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Finish the queued jobs (when `wait`) and stop the thread; a later submit starts a new one."""
@@ -143,12 +161,13 @@ class _Job:
     the job has run is all the waiting needs. It keeps no result (the episode reaches its collector, the kept
     episodes and the store), so a job that is still referenced holds no episode alive."""
 
-    __slots__ = ("_done", "_error")
+    __slots__ = ("_done", "_error", "_errors")
 
     def __init__(self) -> None:
         self._done = threading.Lock()
         self._done.acquire()
         self._error: BaseException | None = None
+        self._errors: deque[BaseException] | None = None  # the worker's, once this job has failed
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
             errors: deque[BaseException]) -> None:
@@ -157,7 +176,7 @@ class _Job:
         try:
             fn(*args, **kwargs)
         except BaseException as error:  # noqa: BLE001 - handed to flush(), which re-raises it
-            self._error = error
+            self._error, self._errors = error, errors
             errors.append(error)
         finally:
             self._done.release()
@@ -169,8 +188,12 @@ class _Job:
         return self._error
 
     def result(self, timeout: float | None = None) -> None:
+        """Raise the job's failure to the one waiting for it (`run_episode`), taking it from the errors a later
+        flush() raises: one failed write is reported once, not again as another lost episode."""
         error = self.exception(timeout)
         if error is not None:
+            with suppress(ValueError):  # a flush on another thread took it first
+                self._errors.remove(error)  # type: ignore[union-attr]  # set with _error
             raise error
 
 
@@ -202,9 +225,13 @@ if hasattr(os, "register_at_fork"):  # POSIX; elsewhere there is no fork
 @atexit.register
 def _drain_workers() -> None:
     """At interpreter exit, write what the workers still hold (their daemon threads would otherwise die with
-    episodes queued)."""
+    episodes queued), and report the writes that failed."""
     for worker in list(_WORKERS):
         worker.shutdown(wait=True)
+        errors = worker._take_errors()  # no flush() will come to raise them: say so before the process ends
+        if errors:
+            log.error("mappa_graph: %d episode%s could not be built or stored before exit; the first error: %r",
+                      len(errors), "" if len(errors) == 1 else "s", errors[0], exc_info=errors[0])
 
 
 def _episode(kept: bytes | Episode) -> Episode:
@@ -251,6 +278,7 @@ class InstrumentedGraph(Runnable[Any, Any]):
         train_failed_attempts: bool = False,
     ) -> None:
         _check_compiled(graph)
+        _found_as_a_subgraph()
         resolver = AgentResolver(agents)
         resolver.check(graph)
         self.graph = graph

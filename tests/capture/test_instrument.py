@@ -171,6 +171,44 @@ def test_a_failed_background_store_write_is_raised_not_swallowed(tmp_path) -> No
     assert len(app.episodes) == 1
 
 
+def test_a_failed_store_write_is_raised_once_by_whoever_waits_for_it(tmp_path) -> None:
+    """run_episode waits for its own episode and raises its failed write; the next flush() must not raise the
+    same failure again (it would be reported as a second lost episode)."""
+
+    class BrokenStore(TraceStore):
+        def add_episodes(self, episodes) -> None:
+            raise OSError("disk full")
+
+    app = instrument(build_graph().compile(), store=BrokenStore(tmp_path / "t.db"))
+    with pytest.raises(OSError, match="disk full"):
+        app.run_episode(task_input(1), task_id="t1")
+    app.flush()  # already raised to run_episode's caller
+    app.invoke(task_input(2))
+    with pytest.raises(OSError, match="disk full"):  # a new failure is still raised
+        app.flush()
+
+
+def test_a_store_write_that_fails_at_interpreter_exit_is_reported(tmp_path) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "from mappa_graph import TraceStore, instrument\n"
+        "from tests.graphs import build_graph, task_input\n"
+        "class BrokenStore(TraceStore):\n"
+        "    def add_episodes(self, episodes):\n"
+        "        raise OSError('disk full')\n"
+        f"app = instrument(build_graph(delay_s=0.002).compile(), store=BrokenStore({str(tmp_path / 't.db')!r}))\n"
+        "for n in range(3):\n"
+        "    app.invoke(task_input(n))\n"  # no flush: the exit hook meets the failures
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "disk full" in done.stderr and "3 episodes" in done.stderr, done.stderr
+
+
 def test_background_episodes_are_complete_in_order_and_stored_when_flush_returns(tmp_path) -> None:
     store = TraceStore(tmp_path / "t.db")
     app = instrument(build_graph().compile(), store=store)
@@ -346,3 +384,47 @@ def test_kept_episodes_come_back_as_they_were() -> None:
     assert first.reference[3] == float("-inf")
     assert second.reference["check"] is unpicklable["check"] and len(second.actions) == 4
     assert [e.task_id for e in app.episodes_newest_first()] == ["t7", "t6"]
+
+
+def test_an_instrumented_graph_used_as_a_node_is_its_parents_subgraph_as_the_plain_one_is() -> None:
+    """LangGraph finds a node's subgraph by type: the wrapped one must still be found, or the parent's
+    `get_state(subgraphs=True)` loses the paused subgraph's state (and so `update_state` inside it), as do
+    `get_subgraphs()` and the debug stream's task states."""
+    from typing import TypedDict
+
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import START, StateGraph
+    from langgraph.types import Command, interrupt
+
+    class State(TypedDict):
+        x: int
+        log: list[str]
+
+    def ask(state: State) -> dict:
+        return {"x": state["x"] + 1, "log": [*state["log"], f"asked: {interrupt('go on?')}"]}
+
+    def sub():
+        graph = StateGraph(State)
+        graph.add_node("ask", ask)
+        graph.add_edge(START, "ask")
+        return graph.compile()
+
+    def run(node) -> tuple:
+        graph = StateGraph(State)
+        graph.add_node("sub", node)
+        graph.add_node("after", lambda state: {"log": [*state["log"], "after"]})
+        graph.add_edge(START, "sub")
+        graph.add_edge("sub", "after")
+        parent = graph.compile(checkpointer=InMemorySaver())
+        config = {"configurable": {"thread_id": "t"}}
+        debug = [(ns, chunk["type"]) for ns, mode, chunk in
+                 parent.stream({"x": 1, "log": []}, config, subgraphs=True, stream_mode=["debug"])]
+        (task,) = parent.get_state(config, subgraphs=True).tasks
+        assert task.state is not None, "the paused subgraph's state is lost"
+        parent.update_state(task.state.config, {"x": 10})  # edit inside the paused subgraph
+        return ([name for name, _ in parent.get_subgraphs()], [(len(ns), kind) for ns, kind in debug],
+                task.state.values, task.state.next, parent.invoke(Command(resume="yes"), config))
+
+    app = instrument(sub())
+    assert run(app) == run(sub())
+    assert [(e.status, [a.node for a in e.actions]) for e in app.episodes] == [("interrupted", ["ask"]), ("ok", ["ask"])]

@@ -25,6 +25,7 @@ from langchain_core.callbacks import BaseCallbackHandler
 
 from ..traces import Episode
 from .builder import EpisodeBuilder, Event, Raised
+from .courtesy import collector_paused
 from .paths import AgentResolver, AgentsSpec
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,10 @@ class TraceCollector(BaseCallbackHandler):
     `train_failed` keeps the model calls of failed attempts trainable. `keep_episodes=False` hands episodes on
     without keeping them: a collector stays reachable from the cyclic garbage of the exceptions LangGraph
     raises for control flow (a handoff's frames hold the run's config, its callbacks, this collector), and an
-    episode kept there waited for the garbage collector instead of being freed.
+    episode kept there waited for the garbage collector instead of being freed. `recorder` is what an
+    instrumented graph does with each episode as it is built (keep it, serialise it for its store): it runs with
+    the garbage collector paused, so it must not block, and returns what to run once the pause is over (the
+    store write) or None.
     """
 
     # Ordering matters (a node's start must be seen before its model call), so run in the caller's thread
@@ -77,8 +81,10 @@ class TraceCollector(BaseCallbackHandler):
         checkpointer: Any = None,
         train_failed: bool = False,
         keep_episodes: bool = True,
+        recorder: Callable[[Episode], Callable[[], None] | None] | None = None,
     ) -> None:
         self.run = run
+        self.recorder = recorder
         self.keep_episodes = keep_episodes
         self.agents = agents if isinstance(agents, AgentResolver) else AgentResolver(agents)
         self.checkpointer = checkpointer
@@ -207,19 +213,31 @@ class TraceCollector(BaseCallbackHandler):
         with self._lock:
             self._pending.append(future)
 
-    def _build_and_emit(self, events: list[Event]) -> Episode:
-        try:
-            builder = EpisodeBuilder(self.run, self.agents, self.episode_defaults, train_failed=self.train_failed)
-            episode = builder.build(events)
-        except Exception:
-            log.exception("mappa_graph: could not build an episode from its trace events")
-            raise
-        if self.keep_episodes:
-            with self._lock:
-                self.episodes.append(episode)
-        if self.on_episode is not None:
-            self.on_episode(episode)
-        return episode
+    def _build_and_emit(self, events: list[Event]) -> None:
+        """Build the episode and hand it on. The build, the `recorder`, and the last references to the episode
+        and to the run's events (the run's messages, states and replies) all fall inside one pause of the
+        garbage collector (see courtesy.py): resumed while they were still alive, the collector's first
+        allocation set off a collection on this thread that promoted them all. What the recorder returns (a
+        store write, which may wait on a lock) and `on_episode` (the user's code) run after the pause."""
+        with collector_paused():
+            try:
+                episode = EpisodeBuilder(self.run, self.agents, self.episode_defaults,
+                                         train_failed=self.train_failed).build(events)
+            except Exception:
+                log.exception("mappa_graph: could not build an episode from its trace events")
+                raise
+            finally:
+                events.clear()  # the list is this build's alone (see _close_root)
+            if self.keep_episodes:
+                with self._lock:
+                    self.episodes.append(episode)
+            after = self.recorder(episode) if self.recorder is not None else None
+            handed_on = episode if self.on_episode is not None else None
+            del episode
+        if after is not None:
+            after()
+        if handed_on is not None:
+            self.on_episode(handed_on)  # type: ignore[misc]  # set whenever handed_on is
 
     def wait(self) -> list[Episode]:
         """Block until every ended run's Episode is built and handed on; re-raises a build or store error."""

@@ -298,17 +298,20 @@ class InstrumentedGraph(Runnable[Any, Any]):
 
     # ---- episode plumbing -----------------------------------------------------------------------------
     def _collector(self, keep: bool) -> TraceCollector:
-        return TraceCollector(run=self.run, agents=self._resolver, on_episode=self._record, executor=self._worker,
+        return TraceCollector(run=self.run, agents=self._resolver, recorder=self._record, executor=self._worker,
                               checkpointer=self._checkpointer, train_failed=self.train_failed_attempts,
                               keep_episodes=keep)
 
-    def _record(self, episode: Episode) -> None:
-        """Keep the episode pickled (and store it). As Python objects, kept episodes (some 60 containers for a
-        4-action one) outlived the garbage collector's young generations, and each quarter more of them in its
-        oldest one set off a full collection of the whole process, on whichever thread was allocating: 0.2 ms
-        per run of the overhead benchmark's graph. Bytes are nothing for the collector to walk, and unlike JSON
-        they give back every value as it was (a tuple, a date, an infinite log-prob, the app's own reference
-        type). An episode that cannot be pickled is kept as it is."""
+    def _record(self, episode: Episode) -> Callable[[], None] | None:
+        """Keep the episode pickled and serialise it for the store, inside the collector's pause of the garbage
+        collector; returns the store write, run after the pause (it may wait on a lock or a network).
+
+        Kept as Python objects, episodes (some 60 containers for a 4-action one) outlived the garbage
+        collector's young generations, and each quarter more of them in its oldest one set off a full
+        collection of the whole process, on whichever thread was allocating: 0.2 ms per run of the overhead
+        benchmark's graph. Bytes are nothing for the collector to walk, and unlike JSON they give back every
+        value as it was (a tuple, a date, an infinite log-prob, the app's own reference type). An episode that
+        cannot be pickled is kept as it is."""
         try:
             kept: bytes | Episode = pickle.dumps(episode, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # noqa: BLE001 - e.g. a reference holding a lambda: kept as the object instead
@@ -317,8 +320,7 @@ class InstrumentedGraph(Runnable[Any, Any]):
             self._episodes.append(kept)
             if len(self._episodes) > self.keep:
                 del self._episodes[: len(self._episodes) - self.keep]
-        if self.store is not None:
-            self.store.add_episode(episode)
+        return self.store.prepare_write(episode) if self.store is not None else None
 
     def flush(self) -> None:
         """Wait until every finished call's Episode is built and stored; re-raises a failed store write."""

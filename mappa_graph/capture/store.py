@@ -14,6 +14,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,17 @@ class TraceStore:
         self.add_episodes([episode])
 
     def add_episodes(self, episodes: Iterable[Episode]) -> None:
-        rows = _episode_rows(episodes)  # serialised before taking the lock: readers wait only for the inserts
+        self._write_rows(_episode_rows(episodes))  # serialised before taking the lock: readers wait only for the inserts
+
+    def prepare_write(self, episode: Episode) -> Callable[[], None]:
+        """Serialise the episode now and return its write, which needs the episode no more: an instrumented
+        graph's writer drops the episode (inside the garbage collector's pause, see courtesy.py) before the
+        write waits for the database lock. A subclass with its own `add_episode` or `add_episodes` gets the
+        episode through them, as before."""
+        own = type(self).add_episode is TraceStore.add_episode and type(self).add_episodes is TraceStore.add_episodes
+        return partial(self._write_rows, _episode_rows([episode])) if own else partial(self.add_episode, episode)
+
+    def _write_rows(self, rows: list[tuple[tuple[Any, ...], list[tuple[Any, ...]]]]) -> None:
         with self._tx():
             self._insert_episodes(rows)
 

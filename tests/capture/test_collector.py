@@ -205,7 +205,8 @@ def test_events_waiting_for_their_build_hold_no_exception_and_its_frames() -> No
     errors = [event[4] for event in events if event[0].endswith("_error")]
     assert len(errors) >= 2  # the supervisor's two handoffs, at least
     assert not any(isinstance(event[4], BaseException) for event in events)
-    episode = build(events)
+    build(events)
+    (episode,) = collector.episodes
     assert [a.handoff for a in episode.actions if a.handoff] == [["researcher"], ["math_expert"]]
     assert all(a.error is None for a in episode.actions)
 

@@ -1,0 +1,120 @@
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+
+from mappa_graph import instrument
+from mappa_graph.capture import builder as builder_module
+from mappa_graph.capture.courtesy import collector_paused
+from tests.graphs import build_graph, task_input
+
+
+@pytest.fixture(autouse=True)
+def _collector_enabled():
+    assert gc.isenabled()
+    yield
+    gc.enable()
+
+
+def test_episodes_are_built_with_the_collector_paused_and_it_resumes_after(monkeypatch) -> None:
+    seen = []
+    build = builder_module.EpisodeBuilder.build
+
+    def spy(self, events):
+        seen.append(gc.isenabled())
+        return build(self, events)
+
+    monkeypatch.setattr(builder_module.EpisodeBuilder, "build", spy)
+    app = instrument(build_graph().compile())
+    for n in range(3):
+        app.invoke(task_input(n))
+    app.flush()
+    assert seen == [False, False, False]
+    assert gc.isenabled()
+    assert len(app.episodes) == 3
+
+
+def test_a_failed_build_resumes_the_collector(monkeypatch) -> None:
+    def broken(self, events):
+        raise RuntimeError("bad events")
+
+    monkeypatch.setattr(builder_module.EpisodeBuilder, "build", broken)
+    app = instrument(build_graph().compile())
+    app.invoke(task_input(1))
+    with pytest.raises(RuntimeError, match="bad events"):
+        app.flush()
+    assert gc.isenabled()
+
+
+def test_a_collector_the_app_disabled_stays_disabled() -> None:
+    gc.disable()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert not gc.isenabled()
+
+
+def test_builds_on_two_threads_share_one_pause() -> None:
+    """The collector resumes when the last overlapping build ends, not when the first does."""
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    states = {}
+
+    def first() -> None:
+        with collector_paused():
+            first_in.set()
+            second_in.wait(5)
+        first_out.set()
+
+    def second() -> None:
+        first_in.wait(5)
+        with collector_paused():
+            second_in.set()
+            first_out.wait(5)
+            states["after the first ended"] = gc.isenabled()
+        states["after both"] = gc.isenabled()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert states == {"after the first ended": False, "after both": True}
+
+
+def test_the_runs_objects_go_inside_the_pause_and_the_store_write_comes_after(monkeypatch) -> None:
+    """Resumed while a run's events (its messages, states and replies) were still held, the collector's next
+    allocation set off a collection on the writer thread that promoted them all into older generations: the
+    events are released before it resumes. The store write may wait on a lock: it runs after."""
+    from mappa_graph.capture import courtesy
+    from mappa_graph.capture.collector import TraceCollector
+
+    queued, seen = [], {}
+
+    class Later:
+        def submit(self, fn, /, *args):
+            queued.append((fn, args))
+            return self
+
+        def result(self, timeout=None):
+            return None
+
+    class SpyGc:
+        def __getattr__(self, name):
+            return getattr(gc, name)
+
+        def enable(self):
+            seen["events left when resumed"] = len(events)
+            gc.enable()
+
+    def recorder(episode):
+        seen["recorder paused"] = not gc.isenabled()
+        return lambda: seen.setdefault("write paused", not gc.isenabled())
+
+    collector = TraceCollector(executor=Later(), recorder=recorder, keep_episodes=False)
+    build_graph().compile().invoke(task_input(3), {"callbacks": [collector]})
+    (build, (events,)), = queued
+    assert len(events) > 10
+    monkeypatch.setattr(courtesy, "gc", SpyGc())
+    build(events)
+    assert seen == {"recorder paused": True, "events left when resumed": 0, "write paused": False}

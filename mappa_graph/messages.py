@@ -6,6 +6,7 @@ Hugging Face chat templates take, so a stored prompt can be re-rendered without 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any
@@ -72,24 +73,37 @@ def content_text(content: Any) -> str:
 
 
 def to_jsonable(value: Any, _depth: int = 0, *, message: Callable[[BaseMessage], Any] = message_to_dict) -> Any:
-    """Make graph state (messages, pydantic models, dataclasses...) storable as JSON without losing meaning.
-    `message` converts each message (the trace builder passes one that converts each message once)."""
+    """Make graph state (messages, pydantic models, dataclasses...) storable as JSON without losing meaning;
+    what JSON cannot hold becomes its repr, so no state, however odd, loses an episode. `message` converts each
+    message (the trace builder passes one that converts each message once)."""
     if _depth > 32:
-        return repr(value)
+        return _repr(value)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, BaseMessage):
         return message(value)
     if isinstance(value, BaseModel):
-        return to_jsonable(value.model_dump(mode="json"), _depth + 1, message=message)
+        try:
+            dumped = value.model_dump(mode="json")
+        except Exception:  # noqa: BLE001 - a field pydantic cannot write as JSON (an arbitrary type, raw bytes)
+            dumped = {name: getattr(value, name, None) for name in type(value).model_fields}  # each field on its own
+        return to_jsonable(dumped, _depth + 1, message=message)
     if isinstance(value, dict):
         return {str(k): to_jsonable(v, _depth + 1, message=message) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
         return [to_jsonable(v, _depth + 1, message=message) for v in value]
-    if hasattr(value, "__dataclass_fields__"):
-        return {k: to_jsonable(getattr(value, k), _depth + 1, message=message) for k in value.__dataclass_fields__}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # an instance; its class is just a name
+        return {f.name: to_jsonable(getattr(value, f.name, None), _depth + 1, message=message)
+                for f in dataclasses.fields(value)}  # fields(): no InitVar (not kept), no ClassVar (not data)
     try:
         json.dumps(value)
         return value
-    except (TypeError, ValueError):
+    except Exception:  # noqa: BLE001 - not JSON: kept as its repr
+        return _repr(value)
+
+
+def _repr(value: Any) -> str:
+    try:
         return repr(value)
+    except Exception:  # noqa: BLE001 - the app's own __repr__ may fail; the episode must not
+        return f"<{type(value).__name__} whose repr() raised>"

@@ -491,7 +491,10 @@ class EpisodeBuilder:
                 # neither (a ToolNode, plain code) still shows, so the judge sees the whole team's work. So
                 # does one holding a tool result no model call of this episode asked for (a subagent tool
                 # rerun on resume): `join_episodes` gives it to the call that asked, in an earlier episode.
-                if (node_run.llm_actions or node_run.children) and not any(
+                # A node that failed or paused shows too unless an action inside it already says so (a node
+                # whose error handler ran inside it, an entrypoint paused after its tasks ran).
+                if (node_run.llm_actions or node_run.children) and (
+                        action.status == "ok" or _shows_status(node_run, action.status)) and not any(
                         r.tool_call_id and r.tool_call_id not in self.call_owner for r in node_run.tool_results):
                     for llm_action in node_run.llm_actions:
                         llm_action.node_output = action.node_output
@@ -509,6 +512,14 @@ class EpisodeBuilder:
         if episode.status != "error" and episode.interrupts:
             episode.status = "interrupted"
         return episode
+
+
+def _shows_status(node_run: _NodeRun, status: str) -> bool:
+    """Whether an action made inside a node task (its model calls, its inner nodes', theirs) has the task's
+    status ("error", "interrupted"): then the task's failure or pause is on the record without its own action
+    (a retried attempt's error inside a task that then paused does not say it paused)."""
+    return any(a.status == status for a in node_run.llm_actions) or any(
+        child.action.status == status or _shows_status(child, status) for child in node_run.children)
 
 
 def copy_token_record(action: Action, response_metadata: Mapping[str, Any]) -> None:

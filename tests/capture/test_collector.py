@@ -229,3 +229,69 @@ def test_an_error_that_cannot_be_printed_still_ends_its_episode() -> None:
         app.invoke({"x": 1})
     (episode,) = app.episodes
     assert episode.status == "error" and episode.error == "Unprintable: <Unprintable whose str() raised>"
+
+
+def test_a_node_recovered_by_its_error_handler_still_shows_its_failure() -> None:
+    """LangGraph runs a node's error handler inside the failed node's namespace; folded into the handler's
+    model call, the failure itself was nowhere in the episode."""
+    from langchain_core.messages import HumanMessage
+    from langgraph.errors import NodeError
+    from langgraph.graph import START, StateGraph
+    from langgraph.types import Command
+    from typing_extensions import TypedDict
+
+    from mappa_graph import instrument
+    from mappa_graph.testing import ScriptedChatModel
+
+    class State(TypedDict, total=False):
+        q: str
+        a: str
+
+    model = ScriptedChatModel(reply=lambda messages: f"M({messages[-1].content})")
+
+    def fetch(state: State) -> dict:
+        raise KeyError("no such page")
+
+    def recover(state: State, error: NodeError) -> Command:
+        return Command(update={"a": model.invoke([HumanMessage(f"recover {error.node}")]).content}, goto="report")
+
+    graph = StateGraph(State).set_node_defaults(error_handler=recover)
+    graph.add_node("fetch", fetch)
+    graph.add_node("report", lambda state: {"q": state["q"] + "!"})
+    graph.add_edge(START, "fetch")
+    app = instrument(graph.compile())
+    assert app.invoke({"q": "x"}) == {"q": "x!", "a": "M(recover fetch)"}
+    assert [(a.agent, a.node, a.kind, a.status, a.error) for a in app.last_episode.actions] == [
+        ("fetch", "fetch", "node", "error", "KeyError: 'no such page'"),
+        ("fetch", "__default_error_handler__", "llm", "ok", None),
+        ("report", "report", "node", "ok", None)]
+
+
+def test_an_entrypoint_that_pauses_after_its_tasks_shows_the_pause() -> None:
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.func import entrypoint, task
+    from langgraph.types import Command, interrupt
+
+    from mappa_graph import instrument
+    from mappa_graph.testing import ScriptedChatModel
+
+    model = ScriptedChatModel(reply=lambda messages: f"draft of {messages[-1].content}")
+
+    @task
+    def draft(topic: str) -> str:
+        return model.invoke(topic).content
+
+    @entrypoint(checkpointer=InMemorySaver())
+    def write(topic: str) -> str:
+        text = draft(topic).result()
+        return f"{interrupt({'review': text})}: {text}"
+
+    app = instrument(write)
+    config = {"configurable": {"thread_id": "t"}}
+    app.invoke("tides", config)
+    paused = app.last_episode
+    assert paused.status == "interrupted"
+    assert [(a.node, a.kind, a.status) for a in paused.actions] == [
+        ("write", "node", "interrupted"), ("draft", "llm", "ok")]
+    assert app.invoke(Command(resume="ok"), config) == "ok: draft of tides"
+    assert [(a.node, a.kind, a.status) for a in app.last_episode.actions] == [("write", "node", "ok")]  # draft: cached

@@ -13,7 +13,7 @@ langgraph only when it runs (importing mappa_graph.capture stays light).
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -398,7 +398,7 @@ class EpisodeBuilder:
             step=meta.get("langgraph_step"),
             checkpoint_ns=ns,
             parent_id=node_run.action.parent_id if node_run else None,
-            input_messages=[self._message(m) for m in (messages[0] if messages else [])],
+            input_messages=_prompt_messages(messages[0], self._message) if messages else [],
             model=params.get("model") or params.get("model_name") or meta.get("ls_model_name"),
             started_at=at,
         )
@@ -512,6 +512,13 @@ class EpisodeBuilder:
         if episode.status != "error" and episode.interrupts:
             episode.status = "interrupted"
         return episode
+
+
+def _prompt_messages(prompt: Any, convert: Callable[[Any], dict[str, Any]]) -> list[dict[str, Any]]:
+    """A model call's input: a chat model's messages, or a completion model's prompt string (one user turn)."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [convert(m) for m in prompt]
 
 
 def _shows_status(node_run: _NodeRun, status: str) -> bool:

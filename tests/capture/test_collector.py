@@ -295,3 +295,28 @@ def test_an_entrypoint_that_pauses_after_its_tasks_shows_the_pause() -> None:
         ("write", "node", "interrupted"), ("draft", "llm", "ok")]
     assert app.invoke(Command(resume="ok"), config) == "ok: draft of tides"
     assert [(a.node, a.kind, a.status) for a in app.last_episode.actions] == [("write", "node", "ok")]  # draft: cached
+
+
+def test_a_completion_model_call_is_recorded_like_a_chat_model_call() -> None:
+    """A completion-style model (langchain-core BaseLLM: OpenAI's completions, a local text-generation
+    pipeline) reports through on_llm_start with prompt strings, not on_chat_model_start."""
+    from langchain_core.language_models.fake import FakeListLLM
+    from langgraph.graph import START, StateGraph
+    from typing_extensions import TypedDict
+
+    class State(TypedDict, total=False):
+        q: str
+        a: str
+
+    llm = FakeListLLM(responses=["Paris"])
+    graph = StateGraph(State)
+    graph.add_node("answer", lambda state: {"a": llm.invoke("Capital of France? " + state["q"])})
+    graph.add_edge(START, "answer")
+    app = instrument(graph.compile())
+    assert app.invoke({"q": "x"}) == {"q": "x", "a": "Paris"}
+    assert app.invoke({"q": "y"}) == {"q": "y", "a": "Paris"}
+    (action,) = app.last_episode.actions
+    assert (action.agent, action.kind, action.status) == ("answer", "llm", "ok")
+    assert action.input_messages == [{"role": "user", "content": "Capital of France? y"}]
+    assert action.output_message == {"role": "assistant", "content": "Paris"}
+    assert action.node_output == {"a": "Paris"}

@@ -42,3 +42,19 @@ def task_number(messages: Sequence[BaseMessage]) -> int:
         if match:
             return int(match.group(1))
     raise AssertionError("no task-N in messages")
+
+
+class QueuedBuilds:
+    """A TraceCollector executor that only queues each episode build, `(build, (events,))`, so a test can look
+    at a run's raw events before running the build itself."""
+
+    def __init__(self) -> None:
+        self.queued: list[tuple[Any, tuple[Any, ...]]] = []
+
+    def submit(self, fn: Any, /, *args: Any) -> QueuedBuilds:
+        self.queued.append((fn, args))
+        return self
+
+    def result(self, timeout: float | None = None) -> None:
+        return None
+

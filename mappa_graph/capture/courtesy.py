@@ -39,7 +39,8 @@ _was_enabled = False
 @contextmanager
 def collector_paused() -> Iterator[None]:
     """Pause Python's automatic garbage collection while an episode is built and handed on (bounded CPU work:
-    no store write, no I/O, no user code), then restore it as it was.
+    no store write, no I/O; of the app's code only an `agents=` function, once per action), then restore it as
+    it was.
 
     A build makes a thousand or so containers that live until its episode is pickled, and the run's events
     hold its messages, states and replies until then. A collection that runs meanwhile (set off by the build's

@@ -188,20 +188,12 @@ def test_events_waiting_for_their_build_hold_no_exception_and_its_frames() -> No
     the handoffs and errors come out the same."""
     from mappa_graph.capture.collector import TraceCollector
     from tests.capture.apps import supervisor_app
+    from tests.fakes import QueuedBuilds
 
-    queued: list = []
-
-    class Later:
-        def submit(self, fn, /, *args):
-            queued.append((fn, args))
-            return self
-
-        def result(self, timeout=None):
-            return None
-
-    collector = TraceCollector(executor=Later())
+    later = QueuedBuilds()
+    collector = TraceCollector(executor=later)
     supervisor_app().invoke({"messages": [{"role": "user", "content": "solve task-5"}]}, {"callbacks": [collector]})
-    (build, (events,)), = queued
+    (build, (events,)), = later.queued
     errors = [event[4] for event in events if event[0].endswith("_error")]
     assert len(errors) >= 2  # the supervisor's two handoffs, at least
     assert not any(isinstance(event[4], BaseException) for event in events)

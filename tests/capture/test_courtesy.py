@@ -8,6 +8,7 @@ import pytest
 from mappa_graph import instrument
 from mappa_graph.capture import builder as builder_module
 from mappa_graph.capture.courtesy import collector_paused
+from tests.fakes import QueuedBuilds
 from tests.graphs import build_graph, task_input
 
 
@@ -89,15 +90,7 @@ def test_the_runs_objects_go_inside_the_pause_and_the_store_write_comes_after(mo
     from mappa_graph.capture import courtesy
     from mappa_graph.capture.collector import TraceCollector
 
-    queued, seen = [], {}
-
-    class Later:
-        def submit(self, fn, /, *args):
-            queued.append((fn, args))
-            return self
-
-        def result(self, timeout=None):
-            return None
+    later, seen = QueuedBuilds(), {}
 
     class SpyGc:
         def __getattr__(self, name):
@@ -111,9 +104,9 @@ def test_the_runs_objects_go_inside_the_pause_and_the_store_write_comes_after(mo
         seen["recorder paused"] = not gc.isenabled()
         return lambda: seen.setdefault("write paused", not gc.isenabled())
 
-    collector = TraceCollector(executor=Later(), recorder=recorder, keep_episodes=False)
+    collector = TraceCollector(executor=later, recorder=recorder, keep_episodes=False)
     build_graph().compile().invoke(task_input(3), {"callbacks": [collector]})
-    (build, (events,)), = queued
+    (build, (events,)), = later.queued
     assert len(events) > 10
     monkeypatch.setattr(courtesy, "gc", SpyGc())
     build(events)

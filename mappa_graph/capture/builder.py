@@ -22,7 +22,7 @@ from langchain_core.messages import ToolMessage
 from ..messages import MAPPA_KEY, content_text, message_to_dict, to_jsonable
 from ..traces import Action, Episode, ToolCall, ToolResult
 from .courtesy import yield_gil
-from .paths import AgentResolver, enclosing_ns, is_internal, node_path
+from .paths import START_NODE, AgentResolver, enclosing_ns, is_internal, node_path
 
 # (kind, run_id, parent_run_id, metadata, payload, time, extra); run ids as `UUID.int` (cheap to hash)
 Event = tuple[str, int, "int | None", "Mapping[str, Any] | None", Any, float, Any]
@@ -137,6 +137,9 @@ class EpisodeBuilder:
         self.order: list[tuple[tuple[Any, ...], Action]] = []
         self.node_of_action: dict[str, _NodeRun] = {}
         self.interrupts: dict[str, Any] = {}  # by interrupt id: one interrupt bubbles through every level
+        # The `__start__` tasks that route a conditional START edge, by namespace: a model call in the router
+        # (an LLM intent router) is still a turn, of the node whose graph it routes, or of the graph at the top.
+        self.routers: dict[str, tuple[_NodeRun | None, int, tuple[Any, ...]]] = {}
         self.failed: list[tuple[_NodeRun, int, str]] = []  # failed node tasks: (task, its attempt, the error)
         self.root_seq = 0
         self.root_last_step = -1
@@ -192,6 +195,10 @@ class EpisodeBuilder:
             return  # a run inside a node task (its function, a prompt, a router, a parser, a tool's chain)
         path = node_path(ns, self.root_ns)
         if is_internal(path):
+            if path[-1] == START_NODE:
+                outer_ns = enclosing_ns(ns)
+                self.routers[ns] = (self.node_by_ns.get(outer_ns) if outer_ns is not None else None,
+                                    _step(meta.get("langgraph_step")), _path_key(meta.get("langgraph_path")))
             return
         attempt = self.attempts[ns] = self.attempts.get(ns, 0) + 1
         outer_ns = enclosing_ns(ns)
@@ -375,6 +382,9 @@ class EpisodeBuilder:
         ns = meta.get("langgraph_checkpoint_ns")
         self.ns_of_run[run_id] = ns
         node_run = self.node_by_ns.get(ns) if ns is not None else None
+        router = self.routers.get(ns) if node_run is None and ns is not None and self.routers else None
+        if router is not None:
+            node_run = router[0]
         params = params or {}
         if node_run is not None:
             node_run.seq += 1
@@ -382,6 +392,13 @@ class EpisodeBuilder:
             key = node_run.key + (((node_run.seq, 0),),)
             template = node_run.action
             node, agent, path, attempt = template.node, template.agent, template.path, template.attempt
+            if router is not None:  # the router of the graph this node runs: the node's call, made there
+                node, path = START_NODE, f"{path}/{START_NODE}"
+                agent = self.agents((*node_run.path, START_NODE), node_run.boundary)
+        elif router is not None:  # the instrumented graph's own router, in the step it ran
+            self.root_seq += 1
+            key = ((router[1], router[2], 1, self.root_seq),)
+            node, agent, path, attempt = START_NODE, self.agents((START_NODE,)), START_NODE, 1
         else:  # a model called outside any node task (the instrumented runnable is not a graph)
             self.root_seq += 1
             key = ((self.root_last_step, _LAST, 0, self.root_seq),)

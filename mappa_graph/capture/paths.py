@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-INTERNAL_NODES = frozenset({"__start__", "__end__"})
+START_NODE = "__start__"
+INTERNAL_NODES = frozenset({START_NODE, "__end__"})
 
 AgentsSpec = Mapping[str, str] | Callable[[tuple[str, ...]], str | None]
 
@@ -120,7 +121,10 @@ class AgentResolver:
 
         def fits(key: str) -> bool:
             names = key.split("/")
-            return all(names) and (key in known or any("/".join(names[:end]) in opaque for end in range(1, len(names))))
+            if names[-1] == START_NODE and len(names) > 1:  # a subgraph's router: its node's path must fit
+                return fits("/".join(names[:-1]))
+            return all(names) and (key in known or key == START_NODE
+                                   or any("/".join(names[:end]) in opaque for end in range(1, len(names))))
 
         unknown = [key for key in self.mapping if not fits(key)]
         if unknown:

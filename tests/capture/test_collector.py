@@ -312,3 +312,54 @@ def test_a_completion_model_call_is_recorded_like_a_chat_model_call() -> None:
     assert action.input_messages == [{"role": "user", "content": "Capital of France? y"}]
     assert action.output_message == {"role": "assistant", "content": "Paris"}
     assert action.node_output == {"a": "Paris"}
+
+
+def _routed_desk():
+    """An LLM intent router on a conditional START edge, in a subgraph node `desk` behind a node `prep`."""
+    from langchain_core.messages import HumanMessage
+    from langgraph.graph import END, START, StateGraph
+    from typing_extensions import TypedDict
+
+    from mappa_graph.testing import ScriptedChatModel
+
+    class State(TypedDict, total=False):
+        q: str
+        answer: str
+
+    router = ScriptedChatModel(reply=lambda messages: "billing" if "bill" in messages[-1].content else "tech")
+    worker = ScriptedChatModel(reply=lambda messages: f"answer to {messages[-1].content}")
+
+    def route(state) -> str:  # no annotation: LangGraph would resolve a local name
+        return router.invoke([HumanMessage(state["q"])]).content
+
+    inner = StateGraph(State)
+    inner.add_node("billing", lambda state: {"answer": worker.invoke([HumanMessage("billing " + state["q"])]).content})
+    inner.add_node("tech", lambda state: {"answer": worker.invoke([HumanMessage("tech " + state["q"])]).content})
+    inner.add_conditional_edges(START, route, ["billing", "tech"])
+    inner.add_edge("billing", END)
+    inner.add_edge("tech", END)
+    outer = StateGraph(State)
+    outer.add_node("prep", lambda state: {"q": state["q"] + "!"})
+    outer.add_node("desk", inner.compile())
+    outer.add_edge(START, "prep")
+    outer.add_edge("prep", "desk")
+    return outer.compile(), inner.compile()
+
+
+def test_a_model_call_in_a_start_edge_router_is_a_turn_of_the_graph_it_routes() -> None:
+    """The router runs in LangGraph's internal `__start__` task: its model call went to agent `__start__` with
+    no path, sorted after everything, even inside a subgraph node."""
+    team, desk = _routed_desk()
+    app = instrument(team)
+    assert app.invoke({"q": "my bill"}) == team.invoke({"q": "my bill"})
+    assert [(a.agent, a.path, a.kind, a.output_text) for a in app.last_episode.actions] == [
+        ("prep", "prep", "node", ""),
+        ("desk", "desk/__start__", "llm", "billing"),
+        ("desk", "desk/billing", "llm", "answer to billing my bill!")]
+    app = instrument(desk, agents={"__start__": "router"})
+    app.invoke({"q": "the tech"})
+    assert [(a.agent, a.path, a.output_text) for a in app.last_episode.actions] == [
+        ("router", "__start__", "tech"), ("tech", "tech", "answer to tech the tech")]
+    app = instrument(_routed_desk()[0], agents={"desk/__start__": "router"})
+    app.invoke({"q": "my bill"})
+    assert [a.agent for a in app.last_episode.actions] == ["prep", "router", "desk"]

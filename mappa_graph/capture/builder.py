@@ -133,7 +133,10 @@ class EpisodeBuilder:
         # Runs inside a tool call: its own run, and the chains and graph runs it starts. A graph a tool runs
         # is a boundary of its own.
         self.tool_of_run: dict[int, _ToolRun] = {}
-        self.call_owner: dict[str, Action] = {}
+        self.call_owner: dict[str, Action] = {}  # by tool call id: the model call that asked, the latest
+        # ... and by (graph namespace, id): a model that numbers its calls per conversation gives each branch of
+        # a Send fan-out the same ids, and each branch's tools answer its own model call
+        self.call_owner_in: dict[tuple[str | None, str], Action] = {}
         self.order: list[tuple[tuple[Any, ...], Action]] = []
         self.node_of_action: dict[str, _NodeRun] = {}
         self.interrupts: dict[str, Any] = {}  # by interrupt id: one interrupt bubbles through every level
@@ -441,6 +444,7 @@ class EpisodeBuilder:
             action.tool_calls.append(ToolCall(id=call.get("id"), name=call["name"], args=call.get("args", {})))
             if call.get("id"):
                 self.call_owner[call["id"]] = action
+                self.call_owner_in[(_graph_ns(action.checkpoint_ns), call["id"])] = action
         copy_token_record(action, getattr(message, "response_metadata", None) or {})
 
     def _llm_error(self, run_id: int, parent: Any, meta: Any, error: Raised, at: float, _: Any) -> None:
@@ -455,7 +459,7 @@ class EpisodeBuilder:
         name, call_id = extra
         # A chain the tool runs (an LLM chain, an agent as a tool) is inside this node task, not a new attempt.
         self.ns_of_run[run_id] = meta.get("langgraph_checkpoint_ns")
-        owner = self.call_owner.get(call_id) if call_id else None
+        owner = self._owner(call_id, meta.get("langgraph_checkpoint_ns"))
         place = next((i for i, c in enumerate(owner.tool_calls) if c.id == call_id), None) if owner else None
         self.tool_of_run[run_id] = _ToolRun(name, place, owner.id if owner else None, meta.get("langgraph_checkpoint_ns"))
         self.tool_by_run[run_id] = (name, call_id, at, meta.get("langgraph_checkpoint_ns"))
@@ -491,9 +495,15 @@ class EpisodeBuilder:
         if node_run is not None:
             node_run.tool_results.append(result)
         # The LLM action that asked for this call also gets its result: the judge scores a tool call by it.
-        owner = self.call_owner.get(call_id) if call_id else None
+        owner = self._owner(call_id, ns)
         if owner is not None:
             owner.tool_results.append(result)
+
+    def _owner(self, call_id: str | None, tool_ns: str | None) -> Action | None:
+        """The model call that asked for a tool call: the one in the tool's own graph run, else the latest."""
+        if not call_id:
+            return None
+        return self.call_owner_in.get((_graph_ns(tool_ns), call_id)) or self.call_owner.get(call_id)
 
     # ---- the episode ----------------------------------------------------------------------------------------
     def _finish(self) -> Episode:
@@ -529,6 +539,11 @@ class EpisodeBuilder:
         if episode.status != "error" and episode.interrupts:
             episode.status = "interrupted"
         return episode
+
+
+def _graph_ns(task_ns: str | None) -> str | None:
+    """The namespace of the graph run a node task belongs to (its enclosing task's); None at the top."""
+    return enclosing_ns(task_ns) if task_ns else None
 
 
 def _prompt_messages(prompt: Any, convert: Callable[[Any], dict[str, Any]]) -> list[dict[str, Any]]:

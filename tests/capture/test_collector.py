@@ -363,3 +363,44 @@ def test_a_model_call_in_a_start_edge_router_is_a_turn_of_the_graph_it_routes() 
     app = instrument(_routed_desk()[0], agents={"desk/__start__": "router"})
     app.invoke({"q": "my bill"})
     assert [a.agent for a in app.last_episode.actions] == ["prep", "router", "desk"]
+
+
+def test_branches_of_a_fan_out_whose_model_reuses_tool_call_ids_each_get_their_own_results() -> None:
+    """A model that numbers its tool calls per conversation gives every branch of a Send fan-out the id
+    `call_0`: every result went to the last branch's model call, the others got none."""
+    import operator
+    import re
+    from typing import Annotated
+
+    from langchain.agents import create_agent
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langgraph.graph import START, StateGraph
+    from langgraph.types import Send
+    from typing_extensions import TypedDict
+
+    from mappa_graph.testing import ScriptedChatModel
+
+    @tool
+    def lookup(city: str) -> str:
+        """The weather in a city."""
+        return f"sunny in {city}"
+
+    def reply(messages: list) -> AIMessage:
+        city = re.search(r"city (\w+)", messages[0].content).group(1)
+        if isinstance(messages[-1], ToolMessage):
+            return AIMessage(f"{city}: {messages[-1].content}")
+        return AIMessage("", tool_calls=[{"name": "lookup", "args": {"city": city}, "id": "call_0"}])
+
+    # the functional form: class syntax leaves string annotations (this module's __future__ import) that
+    # LangGraph would look up among the module's names
+    State = TypedDict("State", {"cities": list, "messages": Annotated[list, operator.add]}, total=False)
+    graph = StateGraph(State)
+    graph.add_node("weather", create_agent(ScriptedChatModel(reply=reply), [lookup]))
+    graph.add_conditional_edges(START, lambda state: [Send("weather", {"messages": [HumanMessage(f"city {c}")]})
+                                                      for c in state["cities"]], ["weather"])
+    app = instrument(graph.compile())
+    app.invoke({"cities": ["Oslo", "Rome", "Lima"]})
+    asked = [(a.tool_calls[0].args["city"], [r.output for r in a.tool_results])
+             for a in app.last_episode.actions if a.kind == "llm" and a.tool_calls]
+    assert asked == [("Oslo", ["sunny in Oslo"]), ("Rome", ["sunny in Rome"]), ("Lima", ["sunny in Lima"])]

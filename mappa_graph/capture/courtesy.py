@@ -12,6 +12,7 @@ marks itself; the builder and the store call `yield_gil()` between steps, which 
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -65,3 +66,20 @@ def collector_paused() -> Iterator[None]:
             _paused_by -= 1
             if _paused_by == 0 and _was_enabled:
                 gc.enable()
+
+
+def _resume_in_forked_child() -> None:
+    """A forked child has none of its parent's threads, so no build there will end a pause the parent held:
+    the child starts unpaused, with the collector as it was before the pause, and a lock of its own (the
+    parent's may have been held by a thread the child lacks)."""
+    global _paused_lock, _paused_by
+    _paused_lock = threading.Lock()
+    if _paused_by:
+        _paused_by = 0
+        if _was_enabled:
+            gc.enable()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX; elsewhere there is no fork
+    os.register_at_fork(after_in_child=_resume_in_forked_child)
+

@@ -111,3 +111,27 @@ def test_the_runs_objects_go_inside_the_pause_and_the_store_write_comes_after(mo
     monkeypatch.setattr(courtesy, "gc", SpyGc())
     build(events)
     assert seen == {"recorder paused": True, "events left when resumed": 0, "write paused": False}
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork (POSIX)")
+def test_a_child_forked_during_a_build_has_its_collector_back() -> None:
+    """A pause held by the parent's writer thread when the process forks has no thread in the child to end
+    it: the child's garbage collector stayed off for good (and its next build waited on the parent's lock)."""
+    from tests.capture.test_instrument import _in_forked_child
+
+    app = instrument(build_graph().compile())
+    inside, release = threading.Event(), threading.Event()
+
+    def build_in_the_parent() -> None:
+        with collector_paused():
+            inside.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=build_in_the_parent)
+    thread.start()
+    inside.wait(5)
+    answer = _in_forked_child(lambda: f"{gc.isenabled()} {len(app.episodes)}", app)
+    release.set()
+    thread.join(10)
+    assert answer == "True 1"
+    assert gc.isenabled()

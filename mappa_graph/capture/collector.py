@@ -25,7 +25,7 @@ from langchain_core.callbacks import BaseCallbackHandler
 
 from ..traces import Episode
 from .builder import EpisodeBuilder, Event, Raised
-from .courtesy import collector_paused
+from .courtesy import gc_paused
 from .paths import AgentResolver, AgentsSpec
 
 log = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ class TraceCollector(BaseCallbackHandler):
         garbage collector (see courtesy.py): resumed while they were still alive, the collector's first
         allocation set off a collection on this thread that promoted them all. What the recorder returns (a
         store write, which may wait on a lock) and `on_episode` (the user's code) run after the pause."""
-        with collector_paused():
+        with gc_paused():
             try:
                 episode = EpisodeBuilder(self.run, self.agents, self.episode_defaults,
                                          train_failed=self.train_failed).build(events)

@@ -32,16 +32,15 @@ def yield_gil() -> None:
         time.sleep(0)
 
 
-_paused_lock = threading.Lock()
-_paused_by = 0  # builds running with the collector paused, on any thread
-_was_enabled = False
+_lock = threading.Lock()
+_pausing = 0  # pauses that turned the collector off and have not ended: each turns it back on as it ends
 
 
 @contextmanager
-def collector_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Pause Python's automatic garbage collection while an episode is built and handed on (bounded CPU work:
-    no store write, no I/O; of the app's code only an `agents=` function, once per action), then restore it as
-    it was.
+    no store write, no I/O; of the app's code only an `agents=` function, once per action), then turn it back
+    on if this pause turned it off.
 
     A build makes a thousand or so containers that live until its episode is pickled, and the run's events
     hold its messages, states and replies until then. A collection that runs meanwhile (set off by the build's
@@ -51,35 +50,37 @@ def collector_paused() -> Iterator[None]:
     team (4 x 96 runs, per run): untraced, 1.37 young collections and 0.42 ms in the collector; traced, 2.4
     young collections, a full collection every 100 runs (some 57 ms each) and 1.10 ms; with the build, the
     recorder and the release of episode and events inside this pause, 0.93 young collections and 0.42 ms.
-    Builds on several threads share one pause; the collector is enabled again only if it was enabled before
-    the first of them began."""
-    global _paused_by, _was_enabled
-    with _paused_lock:
-        if _paused_by == 0:
-            _was_enabled = gc.isenabled()
+
+    The app's garbage must not wait on the writers: a pause lasts one build and is never shared (a build that
+    starts inside another's pause runs unpaused once that one ends; shared, the pauses of several busy writers
+    overlapped and kept the collector off for seconds), and the first allocation after it ends runs the
+    collection that came due meanwhile. An app that turns the collector off itself while a pause lasts finds it
+    on again when the pause ends."""
+    global _pausing
+    with _lock:
+        began = gc.isenabled()
+        if began:
             gc.disable()
-        _paused_by += 1
+            _pausing += 1
     try:
         yield
     finally:
-        with _paused_lock:
-            _paused_by -= 1
-            if _paused_by == 0 and _was_enabled:
+        if began:
+            with _lock:
+                _pausing -= 1
                 gc.enable()
 
 
 def _resume_in_forked_child() -> None:
     """A forked child has none of its parent's threads, so no build there will end a pause the parent held:
-    the child starts unpaused, with the collector as it was before the pause, and a lock of its own (the
-    parent's may have been held by a thread the child lacks)."""
-    global _paused_lock, _paused_by
-    _paused_lock = threading.Lock()
-    if _paused_by:
-        _paused_by = 0
-        if _was_enabled:
-            gc.enable()
+    the child starts with the collector back on, and a lock of its own (the parent's may have been held by a
+    thread the child lacks)."""
+    global _lock, _pausing
+    _lock = threading.Lock()
+    if _pausing:
+        _pausing = 0
+        gc.enable()
 
 
 if hasattr(os, "register_at_fork"):  # POSIX; elsewhere there is no fork
     os.register_at_fork(after_in_child=_resume_in_forked_child)
-

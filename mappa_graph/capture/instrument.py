@@ -59,14 +59,17 @@ def _check_compiled(graph: Any) -> None:
 
 @functools.cache
 def _found_as_a_subgraph() -> None:
-    """Make LangGraph see an InstrumentedGraph as a graph. A parent graph finds a node's subgraph by type
-    (`PregelProtocol`): wrapped and used as a node, the subgraph was not found, and the parent's
-    `get_state(subgraphs=True)` lost its state while paused (so `update_state` inside it too), as did
-    `get_subgraphs()` and the debug stream. Every method LangGraph then calls reaches the wrapped graph.
+    """Make LangGraph see an instrumented graph that keeps checkpoints as a graph. A parent graph finds a node's
+    subgraph by type (`PregelProtocol`): wrapped and used as a node, the subgraph was not found, and the
+    parent's `get_state(subgraphs=True)` lost its state while paused (so `update_state` inside it too), as did
+    `get_subgraphs()` and the debug stream. A graph compiled with `checkpointer=False` is one LangGraph does
+    not treat as a subgraph, so its wrapper is not registered either. Not covered: `get_subgraphs` lists no
+    subgraph inside the wrapped one (LangGraph recurses only into its own Pregel class), so `update_state`
+    cannot reach that deeper level by namespace, and a wrapper bound with `with_config` is not found.
     Registered on the first instrument(), so importing mappa_graph.capture stays free of langgraph."""
     from langgraph.pregel.protocol import PregelProtocol
 
-    PregelProtocol.register(InstrumentedGraph)
+    PregelProtocol.register(_FoundAsSubgraph)
 
 
 def _with_handler(config: RunnableConfig | None, handler: TraceCollector, extra_metadata: Mapping[str, Any]) -> RunnableConfig:
@@ -266,6 +269,15 @@ class InstrumentedGraph(Runnable[Any, Any]):
     RetryPolicy retried after a failure as well (by default they are judged, shown as failed, and not trained).
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> InstrumentedGraph:  # noqa: PYI034 - may be a subclass
+        """A graph that keeps checkpoints gets the subclass LangGraph finds as a subgraph (see
+        `_found_as_a_subgraph`)."""
+        graph = args[0] if args else kwargs.get("graph")
+        if cls is InstrumentedGraph and graph is not None and getattr(graph, "checkpointer", None) is not False:
+            _found_as_a_subgraph()
+            return super().__new__(_FoundAsSubgraph)
+        return super().__new__(cls)
+
     def __init__(
         self,
         graph: Any,
@@ -278,7 +290,6 @@ class InstrumentedGraph(Runnable[Any, Any]):
         train_failed_attempts: bool = False,
     ) -> None:
         _check_compiled(graph)
-        _found_as_a_subgraph()
         resolver = AgentResolver(agents)
         resolver.check(graph)
         self.graph = graph
@@ -463,6 +474,11 @@ class InstrumentedGraph(Runnable[Any, Any]):
 
     def __repr__(self) -> str:
         return f"InstrumentedGraph({self.graph!r}, run={self.run!r})"
+
+
+class _FoundAsSubgraph(InstrumentedGraph):
+    """The InstrumentedGraph of a graph that keeps checkpoints: registered as LangGraph's `PregelProtocol`, so
+    a parent graph that has it as a node finds it as a subgraph, as it finds the plain one."""
 
 
 def instrument(

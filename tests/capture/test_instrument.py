@@ -428,3 +428,36 @@ def test_an_instrumented_graph_used_as_a_node_is_its_parents_subgraph_as_the_pla
     app = instrument(sub())
     assert run(app) == run(sub())
     assert [(e.status, [a.node for a in e.actions]) for e in app.episodes] == [("interrupted", ["ask"]), ("ok", ["ask"])]
+
+
+def test_a_subgraph_compiled_without_checkpoints_stays_no_subgraph_when_instrumented() -> None:
+    """LangGraph does not treat a `checkpointer=False` graph as a subgraph; found as one through the wrapper,
+    the parent's get_state(subgraphs=True) raised 'No checkpointer set'."""
+    from typing import TypedDict
+
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import START, StateGraph
+    from langgraph.types import interrupt
+
+    class State(TypedDict):
+        x: int
+
+    def run(node) -> tuple:
+        graph = StateGraph(State)
+        graph.add_node("sub", node)
+        graph.add_node("stop", lambda state: {"x": interrupt("?")})
+        graph.add_edge(START, "sub")
+        graph.add_edge("sub", "stop")
+        parent = graph.compile(checkpointer=InMemorySaver())
+        config = {"configurable": {"thread_id": "t"}}
+        parent.invoke({"x": 1}, config)
+        (before_sub,) = [s for s in parent.get_state_history(config) if s.next == ("sub",)]
+        return [n for n, _ in parent.get_subgraphs()], parent.get_state(before_sub.config, subgraphs=True).tasks[0].state
+
+    def sub():
+        graph = StateGraph(State)
+        graph.add_node("inner", lambda state: {"x": state["x"] + 1})
+        graph.add_edge(START, "inner")
+        return graph.compile(checkpointer=False)
+
+    assert run(instrument(sub())) == run(sub()) == ([], None)

@@ -86,6 +86,16 @@ class _ToolRun(NamedTuple):
     task_ns: str | None  # the node task that ran the tool
 
 
+class _Router(NamedTuple):
+    """A conditional START edge's router task, as a model call made in it is recorded."""
+
+    outer: _NodeRun | None  # the node task whose graph it routes; None at the top
+    path: tuple[str, ...]
+    agent: str
+    step: int
+    task_path: tuple[Any, ...]
+
+
 @dataclass
 class _NodeRun:
     action: Action
@@ -142,7 +152,7 @@ class EpisodeBuilder:
         self.interrupts: dict[str, Any] = {}  # by interrupt id: one interrupt bubbles through every level
         # The `__start__` tasks that route a conditional START edge, by namespace: a model call in the router
         # (an LLM intent router) is still a turn, of the node whose graph it routes, or of the graph at the top.
-        self.routers: dict[str, tuple[_NodeRun | None, int, tuple[Any, ...]]] = {}
+        self.routers: dict[str, _Router] = {}
         self.failed: list[tuple[_NodeRun, int, str]] = []  # failed node tasks: (task, its attempt, the error)
         self.root_seq = 0
         self.root_last_step = -1
@@ -197,19 +207,17 @@ class EpisodeBuilder:
                 self.tool_of_run[run_id] = tool
             return  # a run inside a node task (its function, a prompt, a router, a parser, a tool's chain)
         path = node_path(ns, self.root_ns)
-        if is_internal(path):
-            if path[-1] == START_NODE:
-                outer_ns = enclosing_ns(ns)
-                self.routers[ns] = (self.node_by_ns.get(outer_ns) if outer_ns is not None else None,
-                                    _step(meta.get("langgraph_step")), _path_key(meta.get("langgraph_path")))
-            return
-        attempt = self.attempts[ns] = self.attempts.get(ns, 0) + 1
         outer_ns = enclosing_ns(ns)
         outer = self.node_by_ns.get(outer_ns) if outer_ns is not None else None
         if outer is None and tool is not None and tool.task_ns is not None:
             # A graph a tool ran with a config of its own (its own thread_id) starts LangGraph's namespace
             # afresh: it still belongs under the task that ran the tool.
             outer = self.node_by_ns.get(tool.task_ns)
+        if is_internal(path):
+            if path[-1] == START_NODE:
+                self._router_start(ns, meta, outer, tool)
+            return
+        attempt = self.attempts[ns] = self.attempts.get(ns, 0) + 1
         step = meta.get("langgraph_step")
         self.root_seq += 1  # the last tie-break only: same step, same task path, same attempt
         element = (_step(step), _path_key(meta.get("langgraph_path")), attempt, self.root_seq)
@@ -266,6 +274,20 @@ class EpisodeBuilder:
             self.root_last_step = max(self.root_last_step, _step(step))
         self.node_by_ns[ns] = self.node_by_run[run_id] = self.node_of_action[action.id] = node_run
         self.order.append((key, action))
+
+    def _router_start(self, ns: str, meta: Mapping[str, Any], outer: _NodeRun | None, tool: _ToolRun | None) -> None:
+        """A conditional START edge's router task: where a model call in it belongs. Under a node task, that
+        task's (its path with `__start__` added, the tool's name between for a graph a tool runs); at the top,
+        the instrumented graph's own `__start__`, in the step it ran."""
+        if outer is None:
+            path, boundary = (START_NODE,), START_NODE
+        elif tool is not None:
+            path = (*outer.path, tool.name, START_NODE)
+            boundary = tool.name if outer.parent is None else outer.boundary
+        else:
+            path, boundary = (*outer.path, START_NODE), outer.boundary
+        self.routers[ns] = _Router(outer, path, self.agents(path, boundary), _step(meta.get("langgraph_step")),
+                                   _path_key(meta.get("langgraph_path")))
 
     def _root_start(self, run_id: int, meta: Mapping[str, Any], inputs: Any, at: float, extra: Any) -> None:
         fields = dict(self.defaults)
@@ -387,7 +409,7 @@ class EpisodeBuilder:
         node_run = self.node_by_ns.get(ns) if ns is not None else None
         router = self.routers.get(ns) if node_run is None and ns is not None and self.routers else None
         if router is not None:
-            node_run = router[0]
+            node_run = router.outer
         params = params or {}
         if node_run is not None:
             node_run.seq += 1
@@ -396,12 +418,11 @@ class EpisodeBuilder:
             template = node_run.action
             node, agent, path, attempt = template.node, template.agent, template.path, template.attempt
             if router is not None:  # the router of the graph this node runs: the node's call, made there
-                node, path = START_NODE, f"{path}/{START_NODE}"
-                agent = self.agents((*node_run.path, START_NODE), node_run.boundary)
+                node, agent, path = START_NODE, router.agent, "/".join(router.path)
         elif router is not None:  # the instrumented graph's own router, in the step it ran
             self.root_seq += 1
-            key = ((router[1], router[2], 1, self.root_seq),)
-            node, agent, path, attempt = START_NODE, self.agents((START_NODE,)), START_NODE, 1
+            key = ((router.step, router.task_path, 1, self.root_seq),)
+            node, agent, path, attempt = START_NODE, router.agent, START_NODE, 1
         else:  # a model called outside any node task (the instrumented runnable is not a graph)
             self.root_seq += 1
             key = ((self.root_last_step, _LAST, 0, self.root_seq),)

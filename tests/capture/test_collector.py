@@ -404,3 +404,45 @@ def test_branches_of_a_fan_out_whose_model_reuses_tool_call_ids_each_get_their_o
     asked = [(a.tool_calls[0].args["city"], [r.output for r in a.tool_results])
              for a in app.last_episode.actions if a.kind == "llm" and a.tool_calls]
     assert asked == [("Oslo", ["sunny in Oslo"]), ("Rome", ["sunny in Rome"]), ("Lima", ["sunny in Lima"])]
+
+
+@pytest.mark.parametrize("own_thread", [False, True])
+def test_a_start_edge_router_in_a_subagent_run_by_a_tool_is_that_subagents(own_thread: bool) -> None:
+    """Run by a tool, the routed graph's nodes belong to the tool (`tools/ask_desk/...`): its router's model
+    call went to the ToolNode's agent, or with the tool's own thread_id to a top-level `__start__`, sorted
+    before the call that asked for the tool."""
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode
+
+    from tests.fakes import ScriptedChatModel
+
+    desk = _routed_desk()[1]
+
+    @tool
+    def ask_desk(q: str) -> str:
+        """Ask the desk."""
+        config = {"configurable": {"thread_id": "desk"}} if own_thread else None
+        return desk.invoke({"q": q}, config)["answer"]
+
+    def boss(messages: list) -> AIMessage:
+        if isinstance(messages[-1], ToolMessage):
+            return AIMessage("done")
+        return AIMessage("", tool_calls=[{"name": "ask_desk", "args": {"q": "my bill"}, "id": "c1"}])
+
+    model = ScriptedChatModel(script=boss)
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", lambda state: {"messages": [model.invoke(state["messages"])]})
+    graph.add_node("tools", ToolNode([ask_desk]))
+    graph.add_edge(START, "agent")
+    graph.add_conditional_edges("agent", lambda state: "tools" if state["messages"][-1].tool_calls else END,
+                                ["tools", END])
+    graph.add_edge("tools", "agent")
+    app = instrument(graph.compile())
+    app.invoke({"messages": [HumanMessage("hi")]})
+    assert [(a.agent, a.path, a.output_text) for a in app.last_episode.actions if a.kind == "llm"] == [
+        ("agent", "agent", ""),
+        ("ask_desk", "tools/ask_desk/__start__", "billing"),
+        ("ask_desk", "tools/ask_desk/billing", "answer to billing my bill"),
+        ("agent", "agent", "done")]

@@ -18,7 +18,7 @@ from langchain_core.messages import (
     SystemMessage,
     ToolMessage,
 )
-from pydantic import BaseModel
+from pydantic import BaseModel, RootModel
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "chat": "user"}
 # Keys the local policy puts in response_metadata; traces keep them as Action fields, not in the message.
@@ -86,7 +86,7 @@ def to_jsonable(value: Any, _depth: int = 0, *, message: Callable[[BaseMessage],
         try:
             dumped = value.model_dump(mode="json")
         except Exception:  # noqa: BLE001 - a field pydantic cannot write as JSON (an arbitrary type, raw bytes)
-            dumped = {name: getattr(value, name, None) for name in type(value).model_fields}  # each field on its own
+            dumped = _model_fields(value)  # each field on its own
         return to_jsonable(dumped, _depth + 1, message=message)
     if isinstance(value, dict):
         return {str(k): to_jsonable(v, _depth + 1, message=message) for k, v in value.items()}
@@ -100,6 +100,16 @@ def to_jsonable(value: Any, _depth: int = 0, *, message: Callable[[BaseMessage],
         return value
     except Exception:  # noqa: BLE001 - not JSON: kept as its repr
         return _repr(value)
+
+
+def _model_fields(model: BaseModel) -> Any:
+    """What `model_dump` gives, field by field, unconverted: a RootModel's root, or the fields, the extra
+    fields and the computed ones."""
+    if isinstance(model, RootModel):
+        return model.root
+    kind = type(model)
+    names = [*kind.model_fields, *(model.model_extra or {}), *kind.model_computed_fields]
+    return {name: getattr(model, name, None) for name in names}
 
 
 def _repr(value: Any) -> str:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, RootModel, computed_field
 from typing_extensions import TypedDict
 
 from mappa_graph import instrument
@@ -37,6 +37,20 @@ class Attachment(BaseModel):
     data: bytes
 
 
+class Loose(BaseModel):
+    model_config = ConfigDict(extra="allow", arbitrary_types_allowed=True)
+    blob: Blob
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def label(self) -> str:
+        return "L"
+
+
+class Blobs(RootModel[list[bytes]]):
+    pass
+
+
 @dataclasses.dataclass
 class Point:
     x: int
@@ -51,6 +65,8 @@ def test_what_pydantic_cannot_write_as_json_is_kept_as_far_as_it_can_be() -> Non
     assert to_jsonable(WithBlob(name="a", blob=Blob())) == {"name": "a", "blob": "Blob()"}
     assert to_jsonable(Attachment(data=b"\xff\x00")) == {"data": repr(b"\xff\x00")}
     assert to_jsonable([Unprintable()]) == ["<Unprintable whose repr() raised>"]
+    assert to_jsonable(Loose(blob=Blob(), plan="keep me")) == {"blob": "Blob()", "plan": "keep me", "label": "L"}
+    assert to_jsonable(Blobs([b"\xff"])) == [repr(b"\xff")]
 
 
 def test_a_dataclass_gives_its_fields_and_a_dataclass_type_its_name() -> None:

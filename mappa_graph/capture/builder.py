@@ -144,9 +144,10 @@ class EpisodeBuilder:
         # is a boundary of its own.
         self.tool_of_run: dict[int, _ToolRun] = {}
         self.call_owner: dict[str, Action] = {}  # by tool call id: the model call that asked, the latest
-        # ... and by (graph namespace, id): a model that numbers its calls per conversation gives each branch of
-        # a Send fan-out the same ids, and each branch's tools answer its own model call
-        self.call_owner_in: dict[tuple[str | None, str], Action] = {}
+        # ... and by where it was made, ("task" or "graph", namespace, id): a model that numbers its calls per
+        # conversation gives each branch of a Send fan-out the same ids, and each branch's tools (run by the
+        # same task, or by a ToolNode of the same graph run) answer its own model call
+        self.call_owner_in: dict[tuple[str, str | None, str], Action] = {}
         self.order: list[tuple[tuple[Any, ...], Action]] = []
         self.node_of_action: dict[str, _NodeRun] = {}
         self.interrupts: dict[str, Any] = {}  # by interrupt id: one interrupt bubbles through every level
@@ -465,7 +466,8 @@ class EpisodeBuilder:
             action.tool_calls.append(ToolCall(id=call.get("id"), name=call["name"], args=call.get("args", {})))
             if call.get("id"):
                 self.call_owner[call["id"]] = action
-                self.call_owner_in[(_graph_ns(action.checkpoint_ns), call["id"])] = action
+                self.call_owner_in["task", action.checkpoint_ns, call["id"]] = action
+                self.call_owner_in["graph", _graph_ns(action.checkpoint_ns), call["id"]] = action
         copy_token_record(action, getattr(message, "response_metadata", None) or {})
 
     def _llm_error(self, run_id: int, parent: Any, meta: Any, error: Raised, at: float, _: Any) -> None:
@@ -521,10 +523,13 @@ class EpisodeBuilder:
             owner.tool_results.append(result)
 
     def _owner(self, call_id: str | None, tool_ns: str | None) -> Action | None:
-        """The model call that asked for a tool call: the one in the tool's own graph run, else the latest."""
+        """The model call that asked for a tool call: the one in the tool's own task, else in its graph run,
+        else the latest."""
         if not call_id:
             return None
-        return self.call_owner_in.get((_graph_ns(tool_ns), call_id)) or self.call_owner.get(call_id)
+        found = self.call_owner_in
+        return (found.get(("task", tool_ns, call_id)) or found.get(("graph", _graph_ns(tool_ns), call_id))
+                or self.call_owner.get(call_id))
 
     # ---- the episode ----------------------------------------------------------------------------------------
     def _finish(self) -> Episode:

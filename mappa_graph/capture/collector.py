@@ -245,10 +245,12 @@ class TraceCollector(BaseCallbackHandler):
             after = self.recorder(episode) if self.recorder is not None else None
             handed_on = episode if self.on_episode is not None else None
             del episode
-        if after is not None:
-            after()
-        if handed_on is not None:
-            self.on_episode(handed_on)  # type: ignore[misc]  # set whenever handed_on is
+        try:
+            if after is not None:
+                after()
+        finally:  # a failed store write is raised (by flush), and the user's hook still gets the episode
+            if handed_on is not None:
+                self.on_episode(handed_on)  # type: ignore[misc]  # set whenever handed_on is
 
     def wait(self) -> list[Episode]:
         """Block until every ended run's Episode is built and handed on; re-raises a build or store error."""

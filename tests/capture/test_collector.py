@@ -446,3 +446,60 @@ def test_a_start_edge_router_in_a_subagent_run_by_a_tool_is_that_subagents(own_t
         ("ask_desk", "tools/ask_desk/__start__", "billing"),
         ("ask_desk", "tools/ask_desk/billing", "answer to billing my bill"),
         ("agent", "agent", "done")]
+
+
+def test_branches_of_a_fan_out_into_a_plain_node_that_runs_its_tools_itself_get_their_own_results() -> None:
+    import operator
+    import re
+    import threading
+    from typing import Annotated
+
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langchain_core.tools import tool
+    from langgraph.graph import START, StateGraph
+    from langgraph.types import Send
+    from typing_extensions import TypedDict
+
+    from mappa_graph.testing import ScriptedChatModel
+
+    @tool
+    def lookup(city: str) -> str:
+        """The weather in a city."""
+        return f"sunny in {city}"
+
+    model = ScriptedChatModel(reply=lambda messages: AIMessage("", tool_calls=[
+        {"name": "lookup", "args": {"city": re.search(r"city (\w+)", messages[-1].content).group(1)}, "id": "call_0"}]))
+
+    both_asked = threading.Barrier(2)
+
+    def weather(state: dict) -> dict:
+        asked = model.invoke([HumanMessage(f"city {state['city']}")])
+        both_asked.wait(10)  # both branches' model calls are made before either runs its tool
+        return {"answers": [lookup.invoke(asked.tool_calls[0]).content]}
+
+    State = TypedDict("State", {"cities": list, "answers": Annotated[list, operator.add]}, total=False)
+    graph = StateGraph(State)
+    graph.add_node("weather", weather)
+    graph.add_conditional_edges(START, lambda state: [Send("weather", {"city": c}) for c in state["cities"]],
+                                ["weather"])
+    app = instrument(graph.compile())
+    app.invoke({"cities": ["Oslo", "Rome"]})
+    assert [(a.tool_calls[0].args["city"], [r.output for r in a.tool_results])
+            for a in app.last_episode.actions if a.kind == "llm"] == [("Oslo", ["sunny in Oslo"]), ("Rome", ["sunny in Rome"])]
+
+
+def test_the_users_on_episode_still_gets_an_episode_whose_store_write_failed() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mappa_graph.capture.collector import TraceCollector
+
+    def write_fails():
+        raise OSError("disk full")
+
+    handed = []
+    with ThreadPoolExecutor(1) as pool:
+        collector = TraceCollector(recorder=lambda episode: write_fails, on_episode=handed.append, executor=pool)
+        build_graph().compile().invoke(task_input(4), {"callbacks": [collector]})
+        with pytest.raises(OSError, match="disk full"):
+            collector.wait()
+    assert [e.actions[-1].output_text for e in handed] == ["task-4 answer: 104"]

@@ -314,8 +314,10 @@ class InstrumentedGraph(Runnable[Any, Any]):
                               keep_episodes=keep)
 
     def _record(self, episode: Episode) -> Callable[[], None] | None:
-        """Keep the episode pickled and serialise it for the store, inside the collector's pause of the garbage
-        collector; returns the store write, run after the pause (it may wait on a lock or a network).
+        """Keep the episode pickled and prepare its store write (`TraceStore.prepare_write`: serialised now, or
+        the episode itself for a store subclass with its own `add_episode`), inside the build's pause of the
+        garbage collector; returns the write, which the collector runs after the pause (it may wait on a lock or
+        a network).
 
         Kept as Python objects, episodes (some 60 containers for a 4-action one) outlived the garbage
         collector's young generations, and each quarter more of them in its oldest one set off a full

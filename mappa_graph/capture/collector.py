@@ -143,16 +143,11 @@ class TraceCollector(BaseCallbackHandler):
         self._runs[run] = events
         events.append(("llm_start", run, parent, metadata, messages, time.time(), extra))
 
-    def on_llm_start(self, serialized: Any, prompts: list[str], *, run_id: UUID, parent_run_id: UUID | None = None,
-                     metadata: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        """A completion-style model (a langchain-core BaseLLM): its prompt strings, recorded as a chat model's
-        messages are (a chat model reports through on_chat_model_start instead, as this handler has one)."""
-        run, parent = run_id.int, parent_run_id.int if parent_run_id is not None else None
-        events, extra = self._runs.get(parent), kwargs.get("invocation_params")
-        if events is None:
-            events, extra = self._open_root(run, metadata, extra)
-        self._runs[run] = events
-        events.append(("llm_start", run, parent, metadata, prompts, time.time(), extra))
+    def on_llm_start(self, serialized: Any, prompts: list[str], **kwargs: Any) -> None:
+        """A completion-style model (a langchain-core BaseLLM): its prompt strings are recorded as a chat
+        model's messages are (a chat model reports through on_chat_model_start instead, as this handler has one).
+        Not on any chat model's path, so it shares that callback's body."""
+        self.on_chat_model_start(serialized, prompts, **kwargs)
 
     def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
         events = self._runs.get(run_id.int)

@@ -120,7 +120,8 @@ class Episode(BaseModel):
     """One run of the graph on one task: its input, every Action in order, the final state and outcome.
 
     One call of the graph is one Episode. A call that paused in `interrupt()` has status "interrupted" and the
-    interrupts' values; its resume is the next call, another Episode of the same `metadata["thread_id"]`
+    interrupts' values (one stopped at a static breakpoint, `interrupt_before`/`interrupt_after`, has it too,
+    with no values and `metadata["paused_before"]`: the nodes it goes on with); its resume is the next call, another Episode of the same `metadata["thread_id"]`
     (TraceStore.join_thread makes one Episode of a thread when it should be judged and trained as one).
     """
 

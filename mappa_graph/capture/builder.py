@@ -350,6 +350,8 @@ class EpisodeBuilder:
         self.episode.ended_at = at
         if (extra or {}).get("checkpoint_id"):
             self.episode.metadata["end_checkpoint_id"] = extra["checkpoint_id"]
+        if (extra or {}).get("paused_before"):  # a static breakpoint: paused like interrupt(), with no value
+            self.episode.metadata["paused_before"] = list(extra["paused_before"])
 
     def _mark_failed(self) -> None:
         """A node task that failed and was retried takes every model call made inside it along, its inner
@@ -562,7 +564,7 @@ class EpisodeBuilder:
                 action.parent_id = None
         episode.actions = kept
         episode.interrupts = list(self.interrupts.values())
-        if episode.status != "error" and episode.interrupts:
+        if episode.status != "error" and (episode.interrupts or episode.metadata.get("paused_before")):
             episode.status = "interrupted"
         return episode
 

@@ -57,7 +57,8 @@ class TraceCollector(BaseCallbackHandler):
     episode kept there waited for the garbage collector instead of being freed. `recorder` is what an
     instrumented graph does with each episode as it is built (keep it, serialise it for its store): it runs with
     the garbage collector paused, so it must not block, and returns what to run once the pause is over (the
-    store write) or None.
+    store write) or None. `paused_before`, given a thread's checkpoint where a run ended, names the nodes it
+    goes on with if it stopped at a static breakpoint (the instrumented graph asks its graph's state).
     """
 
     # Ordering matters (a node's start must be seen before its model call), so run in the caller's thread
@@ -82,9 +83,11 @@ class TraceCollector(BaseCallbackHandler):
         train_failed: bool = False,
         keep_episodes: bool = True,
         recorder: Callable[[Episode], Callable[[], None] | None] | None = None,
+        paused_before: Callable[[dict[str, Any]], list[str]] | None = None,
     ) -> None:
         self.run = run
         self.recorder = recorder
+        self.paused_before = paused_before
         self.keep_episodes = keep_episodes
         self.agents = agents if isinstance(agents, AgentResolver) else AgentResolver(agents)
         self.checkpointer = checkpointer
@@ -193,7 +196,11 @@ class TraceCollector(BaseCallbackHandler):
         """The root run ended: record its end (with the checkpoint it left), forget its runs, build its
         episode. Runs of this root that report after this are dropped, as their episode is already built."""
         thread = self._threads.pop(run, None) if self._threads else None
-        extra = {"checkpoint_id": self._checkpoint_id(thread)} if thread is not None else None
+        extra = None
+        if thread is not None:
+            extra = {"checkpoint_id": self._checkpoint_id(thread)}
+            if self.paused_before is not None and extra["checkpoint_id"] and kind == "chain_end":
+                extra["paused_before"] = self.paused_before({**thread, "checkpoint_id": extra["checkpoint_id"]})
         events.append((kind, run, None, None, payload, time.time(), extra))
         runs = self._runs
         for event in events:

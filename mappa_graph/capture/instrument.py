@@ -300,6 +300,8 @@ class InstrumentedGraph(Runnable[Any, Any]):
         self.train_failed_attempts = train_failed_attempts
         saver = getattr(graph, "checkpointer", None)
         self._checkpointer = saver if hasattr(saver, "get_tuple") else None
+        self._breakpoints = bool(getattr(graph, "interrupt_before_nodes", None)
+                                 or getattr(graph, "interrupt_after_nodes", None))
         self.keep = keep
         self._episodes: list[bytes | Episode] = []  # pickled: see _record
         self._episodes_lock = threading.Lock()
@@ -308,10 +310,21 @@ class InstrumentedGraph(Runnable[Any, Any]):
             store.attach_writer(self.flush)  # the store's reads wait for this graph's queued episodes
 
     # ---- episode plumbing -----------------------------------------------------------------------------
-    def _collector(self, keep: bool) -> TraceCollector:
+    def _collector(self, keep: bool, breakpoints: bool = False) -> TraceCollector:
         return TraceCollector(run=self.run, agents=self._resolver, recorder=self._record, executor=self._worker,
                               checkpointer=self._checkpointer, train_failed=self.train_failed_attempts,
-                              keep_episodes=keep)
+                              keep_episodes=keep, paused_before=self._paused_before if breakpoints else None)
+
+    def _paused_before(self, checkpoint: dict[str, Any]) -> list[str]:
+        """The nodes a call that ended at `checkpoint` goes on with when resumed, if it stopped at a static
+        breakpoint; [] if it finished, or paused in interrupt() (recorded from that node's own event)."""
+        try:
+            state = self.graph.get_state({"configurable": checkpoint})
+        except Exception:  # noqa: BLE001 - bookkeeping must never break the graph (an async-only saver)
+            return []
+        if any(task.interrupts for task in state.tasks):
+            return []
+        return list(state.next)
 
     def _record(self, episode: Episode) -> Callable[[], None] | None:
         """Keep the episode pickled and prepare its store write (`TraceStore.prepare_write`: serialised now, or
@@ -351,10 +364,14 @@ class InstrumentedGraph(Runnable[Any, Any]):
             return list(self._episodes)
 
     def _config(self, config: RunnableConfig | None, task_id: str | None = None, reference: Any = None, *,
-                keep: bool = False):
+                keep: bool = False, call_kwargs: Mapping[str, Any] | None = None):
         """The call's config with a new collector, which keeps its episode only when `keep` (the caller reads
-        it from the collector); every episode is kept by this graph in any case."""
-        collector = self._collector(keep)
+        it from the collector); every episode is kept by this graph in any case. A call that may stop at a
+        static breakpoint (the graph's `interrupt_before`/`interrupt_after`, or the call's) gets a collector
+        that asks, as the call ends, where it stopped."""
+        breakpoints = self._breakpoints or bool(call_kwargs and (call_kwargs.get("interrupt_before")
+                                                                 or call_kwargs.get("interrupt_after")))
+        collector = self._collector(keep, breakpoints)
         extra: dict[str, Any] = {}
         if task_id is not None:
             extra["mappa_task_id"] = task_id
@@ -372,47 +389,48 @@ class InstrumentedGraph(Runnable[Any, Any]):
 
     # ---- the Runnable interface ---------------------------------------------------------------------
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
-        cfg, _ = self._config(config)
+        cfg, _ = self._config(config, call_kwargs=kwargs)
         return self.graph.invoke(input, cfg, **kwargs)
 
     async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
-        cfg, _ = self._config(config)
+        cfg, _ = self._config(config, call_kwargs=kwargs)
         return await self.graph.ainvoke(input, cfg, **kwargs)
 
     def stream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[Any]:
-        cfg, _ = self._config(config)
+        cfg, _ = self._config(config, call_kwargs=kwargs)
         yield from self.graph.stream(input, cfg, **kwargs)
 
     async def astream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> AsyncIterator[Any]:
-        cfg, _ = self._config(config)
+        cfg, _ = self._config(config, call_kwargs=kwargs)
         async for chunk in self.graph.astream(input, cfg, **kwargs):
             yield chunk
 
     def astream_events(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         """The graph's own event stream (any `version`), recorded like `astream`."""
-        cfg, _ = self._config(config)
+        cfg, _ = self._config(config, call_kwargs=kwargs)
         return self.graph.astream_events(input, cfg, **kwargs)
 
     def stream_events(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
-        cfg, _ = self._config(config)
+        cfg, _ = self._config(config, call_kwargs=kwargs)
         return self.graph.stream_events(input, cfg, **kwargs)
 
-    def _batch_configs(self, inputs: Sequence[Any], config: RunnableConfig | Sequence[RunnableConfig] | None):
+    def _batch_configs(self, inputs: Sequence[Any], config: RunnableConfig | Sequence[RunnableConfig] | None,
+                       call_kwargs: Mapping[str, Any]):
         if config is None or isinstance(config, Mapping):
             configs = [config] * len(inputs)
         else:
             configs = list(config)
             if len(configs) != len(inputs):
                 raise ValueError(f"batch got {len(inputs)} inputs but {len(configs)} configs; pass one or the same number")
-        return [self._config(c)[0] for c in configs]
+        return [self._config(c, call_kwargs=call_kwargs)[0] for c in configs]
 
     def batch(self, inputs: Sequence[Any], config: RunnableConfig | Sequence[RunnableConfig] | None = None, **kwargs: Any) -> list[Any]:
-        return self.graph.batch(list(inputs), self._batch_configs(inputs, config), **kwargs)
+        return self.graph.batch(list(inputs), self._batch_configs(inputs, config, kwargs), **kwargs)
 
     async def abatch(
         self, inputs: Sequence[Any], config: RunnableConfig | Sequence[RunnableConfig] | None = None, **kwargs: Any
     ) -> list[Any]:
-        return await self.graph.abatch(list(inputs), self._batch_configs(inputs, config), **kwargs)
+        return await self.graph.abatch(list(inputs), self._batch_configs(inputs, config, kwargs), **kwargs)
 
     # ---- episodes with task context (what the trainer uses) ------------------------------------------
     def run_episode(
@@ -429,7 +447,7 @@ class InstrumentedGraph(Runnable[Any, Any]):
         A graph that raises still yields its (partial) episode, stored with the error, before the error
         propagates: nothing already recorded is lost.
         """
-        cfg, collector = self._config(config, task_id, reference, keep=True)
+        cfg, collector = self._config(config, task_id, reference, keep=True, call_kwargs=kwargs)
         try:
             output = self.graph.invoke(input, cfg, **kwargs)
         finally:
@@ -445,7 +463,7 @@ class InstrumentedGraph(Runnable[Any, Any]):
         config: RunnableConfig | None = None,
         **kwargs: Any,
     ) -> tuple[Any, Episode]:
-        cfg, collector = self._config(config, task_id, reference, keep=True)
+        cfg, collector = self._config(config, task_id, reference, keep=True, call_kwargs=kwargs)
         try:
             output = await self.graph.ainvoke(input, cfg, **kwargs)
         finally:

@@ -336,6 +336,8 @@ def join_episodes(parts: list[Episode]) -> Episode:
     joined.metadata = {**first.metadata, **{k: v for k, v in last.metadata.items() if k != "start_checkpoint_id"},
                        "joined_episode_ids": [part.id for part in parts]}
     joined.metadata.pop("resumed", None)
+    if "paused_before" not in last.metadata:  # the thread went on past its breakpoints
+        joined.metadata.pop("paused_before", None)
     return joined
 
 

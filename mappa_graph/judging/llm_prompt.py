@@ -171,7 +171,11 @@ def judge_sections(
     sections.append(("Tool feedback (output, stdout, stderr, errors, files)", clip_text(results, max_chars) or "(none)"))
     if include_reference and episode.reference is not None:
         sections.append(("Reference answer", clip_text(as_text(episode.reference), max_chars)))
-    if episode.status == "interrupted":
+    if episode.status == "interrupted" and not episode.interrupts and episode.metadata.get("paused_before"):
+        paused = (f"the run stopped at a breakpoint before {', '.join(map(str, episode.metadata['paused_before']))} "
+                  "(not a failure): it goes on from there when resumed")
+        sections.append(("How this call of the graph ended", paused))
+    elif episode.status == "interrupted":
         paused = "the run paused in interrupt() waiting for human input (not a failure); asked:\n"
         sections.append(("How this call of the graph ended", clip_text(paused + as_text(episode.interrupts), max_chars)))
     if include_outcome and episode.outcome is not None:

@@ -461,3 +461,39 @@ def test_a_subgraph_compiled_without_checkpoints_stays_no_subgraph_when_instrume
         return graph.compile(checkpointer=False)
 
     assert run(instrument(sub())) == run(sub()) == ([], None)
+
+
+@pytest.mark.parametrize("where", ["compiled", "per call"])
+def test_a_call_that_stops_at_a_static_breakpoint_is_a_paused_episode(where: str) -> None:
+    """`interrupt_before=` pauses the run like interrupt() does, with no value and no error: its episode
+    ended 'ok' with nothing to say the run had not finished."""
+    from typing import TypedDict
+
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import START, StateGraph
+
+    from mappa_graph.capture.store import join_episodes
+    from mappa_graph.judging.llm_prompt import build_prompt
+
+    class State(TypedDict):
+        x: int
+
+    graph = StateGraph(State)
+    graph.add_node("a", lambda state: {"x": state["x"] + 1})
+    graph.add_node("b", lambda state: {"x": state["x"] * 10})
+    graph.add_edge(START, "a")
+    graph.add_edge("a", "b")
+    compiled = graph.compile(checkpointer=InMemorySaver(), interrupt_before=["b"] if where == "compiled" else None)
+    app = instrument(compiled)
+    config = {"configurable": {"thread_id": "t"}}
+    kwargs = {"interrupt_before": ["b"]} if where == "per call" else {}
+    assert app.invoke({"x": 1}, config, **kwargs) == {"x": 2}
+    paused = app.last_episode
+    assert (paused.status, paused.metadata["paused_before"], [a.node for a in paused.actions]) == (
+        "interrupted", ["b"], ["a"])
+    assert "stopped at a breakpoint before b (not a failure)" in build_prompt(paused, paused.actions[0]).messages[1].content
+    assert app.invoke(None, config) == {"x": 20}
+    done = app.last_episode
+    assert (done.status, "paused_before" in done.metadata, [a.node for a in done.actions]) == ("ok", False, ["b"])
+    joined = join_episodes([paused, done])
+    assert (joined.status, "paused_before" in joined.metadata, [a.node for a in joined.actions]) == ("ok", False, ["a", "b"])

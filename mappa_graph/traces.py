@@ -121,8 +121,9 @@ class Episode(BaseModel):
 
     One call of the graph is one Episode. A call that paused in `interrupt()` has status "interrupted" and the
     interrupts' values (one stopped at a static breakpoint, `interrupt_before`/`interrupt_after`, has it too,
-    with no values and `metadata["paused_before"]`: the nodes it goes on with); its resume is the next call, another Episode of the same `metadata["thread_id"]`
-    (TraceStore.join_thread makes one Episode of a thread when it should be judged and trained as one).
+    with no values and `metadata["paused_before"]`: the nodes it goes on with); its resume is the next call,
+    another Episode of the same `metadata["thread_id"]` (TraceStore.join_thread makes one Episode of a thread
+    when it should be judged and trained as one).
     """
 
     model_config = ConfigDict(extra="forbid")

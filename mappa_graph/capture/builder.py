@@ -483,11 +483,11 @@ class EpisodeBuilder:
                     extra: Any) -> None:
         name, call_id = extra
         # A chain the tool runs (an LLM chain, an agent as a tool) is inside this node task, not a new attempt.
-        self.ns_of_run[run_id] = meta.get("langgraph_checkpoint_ns")
-        owner = self._owner(call_id, meta.get("langgraph_checkpoint_ns"))
+        ns = self.ns_of_run[run_id] = meta.get("langgraph_checkpoint_ns")
+        owner = self._owner(call_id, ns)
         place = next((i for i, c in enumerate(owner.tool_calls) if c.id == call_id), None) if owner else None
-        self.tool_of_run[run_id] = _ToolRun(name, place, owner.id if owner else None, meta.get("langgraph_checkpoint_ns"))
-        self.tool_by_run[run_id] = (name, call_id, at, meta.get("langgraph_checkpoint_ns"))
+        self.tool_of_run[run_id] = _ToolRun(name, place, owner.id if owner else None, ns)
+        self.tool_by_run[run_id] = (name, call_id, at, ns)
 
     def _tool_end(self, run_id: int, parent: Any, meta: Any, output: Any, at: float, _: Any) -> None:
         self._tool_done(run_id, output, None, at)

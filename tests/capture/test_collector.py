@@ -503,3 +503,46 @@ def test_the_users_on_episode_still_gets_an_episode_whose_store_write_failed() -
         with pytest.raises(OSError, match="disk full"):
             collector.wait()
     assert [e.actions[-1].output_text for e in handed] == ["task-4 answer: 104"]
+
+
+def test_router_and_error_handler_episodes_are_the_same_under_every_call_style() -> None:
+    """The fixes above, under ainvoke, astream, stream (updates) and a batch of 4, as under invoke."""
+    from langgraph.errors import NodeError
+    from langgraph.graph import START, StateGraph
+    from langgraph.types import Command
+
+    def handled():
+        def fetch(state: dict) -> dict:
+            raise KeyError("no such page")
+
+        def recover(state: dict, error: NodeError) -> Command:
+            return Command(update={"answer": f"recovered {error.node}"}, goto="report")
+
+        graph = StateGraph(dict).set_node_defaults(error_handler=recover)
+        graph.add_node("fetch", fetch)
+        graph.add_node("report", lambda state: {"q": state["q"] + "!"})
+        graph.add_edge(START, "fetch")
+        return graph.compile()
+
+    def shape(episode) -> list:
+        return [(a.agent, a.path, a.kind, a.status, a.output_text) for a in episode.actions]
+
+    for build, fixed in ((lambda: _routed_desk()[0], ("desk", "desk/__start__", "llm", "ok", "billing")),
+                         (handled, ("fetch", "fetch", "node", "error", ""))):
+        app = instrument(build())
+        app.invoke({"q": "my bill"})
+        expected = shape(app.last_episode)
+        assert fixed in expected
+        asyncio.run(app.ainvoke({"q": "my bill"}))
+        assert shape(app.last_episode) == expected
+        list(app.stream({"q": "my bill"}, stream_mode="updates"))
+        assert shape(app.last_episode) == expected
+
+        async def drain(app) -> None:
+            async for _ in app.astream({"q": "my bill"}):
+                pass
+
+        asyncio.run(drain(app))
+        assert shape(app.last_episode) == expected
+        app.batch([{"q": "my bill"}] * 4)
+        assert [shape(e) for e in app.episodes[-4:]] == [expected] * 4

@@ -14,19 +14,26 @@ from typing import Any
 from langchain_core.messages import (
     AIMessage,
     BaseMessage,
+    ChatMessage,
     HumanMessage,
     SystemMessage,
     ToolMessage,
 )
 from pydantic import BaseModel, RootModel
 
-_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "chat": "user"}
+# By message type; a streamed reply's chunks have types of their own (`AIMessageChunk`), and a ChatMessage says its
+# role itself (an `assistant` one taken for a user turn would train the model on its own reply as a prompt).
+_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "AIMessageChunk": "assistant",
+          "HumanMessageChunk": "user", "SystemMessageChunk": "system", "ToolMessageChunk": "tool"}
+_CHAT_ROLES = {"assistant": "assistant", "ai": "assistant", "system": "system", "developer": "system", "tool": "tool"}
 # Keys the local policy puts in response_metadata; traces keep them as Action fields, not in the message.
 MAPPA_KEY = "mappa"
 
 
 def message_to_dict(message: BaseMessage) -> dict[str, Any]:
-    role = _ROLES.get(message.type, message.type)
+    role = _ROLES.get(message.type)
+    if role is None:  # a ChatMessage (or its chunk) says its own role; any other type keeps its name
+        role = _CHAT_ROLES.get(message.role, "user") if isinstance(message, ChatMessage) else message.type
     out: dict[str, Any] = {"role": role, "content": message.content}
     if isinstance(message, AIMessage) and message.tool_calls:
         out["tool_calls"] = [

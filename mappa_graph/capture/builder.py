@@ -139,7 +139,10 @@ class EpisodeBuilder:
         self.node_by_run: dict[int, _NodeRun] = {}
         self.attempts: dict[str, int] = {}
         self.llm_by_run: dict[int, tuple[Action, tuple[Any, ...]]] = {}
-        self.tool_by_run: dict[int, tuple[str, str | None, float, str | None]] = {}
+        self.tool_by_run: dict[int, tuple[str, str | None, float, str | None, int | None]] = {}
+        # A result's place among the calls of the model call that asked (by id() of the ToolResult): results
+        # go in the order the model asked, not the order parallel tools finished in
+        self.result_place: dict[int, int] = {}
         # Runs inside a tool call: its own run, and the chains and graph runs it starts. A graph a tool runs
         # is a boundary of its own.
         self.tool_of_run: dict[int, _ToolRun] = {}
@@ -316,9 +319,11 @@ class EpisodeBuilder:
         if node_run is not None:
             action = node_run.action
             action.latency_s = at - action.started_at
-            if isinstance(outputs, self._command_type):  # a node that routes by returning Command(goto=...)
-                action.handoff = self._targets(outputs) or None
+            commands = self._commands(outputs)
+            if commands:  # a node that routes by returning Command(goto=...), or a list of them (a ToolNode)
+                action.handoff = [target for command in commands for target in self._targets(command)] or None
             action.node_output = self._output(outputs)
+            self._told(node_run, outputs, commands)
         if run_id == self.root:
             self.episode.final_state = self._jsonable(outputs)
             self._root_end(at, extra)
@@ -384,7 +389,54 @@ class EpisodeBuilder:
         goto = goto if isinstance(goto, (list, tuple)) else [goto] if goto else []
         return [g.node if isinstance(g, self._send_type) else str(g) for g in goto]
 
+    def _commands(self, value: Any) -> list[Any]:
+        """The Commands a node returned: one, or those in the list it returned (LangGraph takes a list of
+        updates and Commands: a ToolNode whose tools returned Commands, create_agent's model node)."""
+        if isinstance(value, self._command_type):
+            return [value]
+        if isinstance(value, (list, tuple)):
+            return [v for v in value if isinstance(v, self._command_type)]
+        return []
+
+    def _told(self, node_run: _NodeRun, outputs: Any, commands: list[Any]) -> None:
+        """The ToolMessages a node task added to the state are what the model that asked was told: taken as
+        the result of a call no tool run answered (a middleware that answered instead of the tool, a refused
+        or limited call, a structured-output reply), and as the output of a tool run that failed and a handler
+        answered for (ToolNode's `handle_tool_errors`). Messages the node only passes on from its input (a
+        worker graph's whole history) are not its own."""
+        told = [m for m in _messages_of(outputs, commands) if isinstance(m, ToolMessage) and m.tool_call_id]
+        if not told:
+            return
+        given = _messages_of(node_run.raw_input, [])
+        passed_on = {id(m) for m in given}
+        for message in told:
+            if id(message) in passed_on:
+                continue
+            call_id, text = message.tool_call_id, content_text(message.content)
+            owner = self._owner(call_id, node_run.action.checkpoint_ns)
+            if owner is None and not any(c.get("id") == call_id for m in given for c in getattr(m, "tool_calls", ())):
+                continue  # no call asked for it: a made-up pair (langgraph-supervisor's "transferring back")
+            known = owner.tool_results if owner is not None else node_run.tool_results
+            result = next((r for r in known if r.tool_call_id == call_id), None)
+            if result is not None:
+                if result.error is not None and not result.output and not result.paused:
+                    result.output = text
+                continue
+            place = next((i for i, c in enumerate(owner.tool_calls) if c.id == call_id), None) if owner else None
+            name = message.name or (owner.tool_calls[place].name if place is not None else "tool")
+            result = ToolResult(tool_call_id=call_id, name=name, output=text,
+                                error=text if message.status == "error" else None)
+            if place is not None:
+                self.result_place[id(result)] = place
+            if owner is not None:
+                owner.tool_results.append(result)
+            # A call in the node's input that no model call of this episode made (one refused on resume after an
+            # approval step) keeps its node's action, and `join_episodes` gives it to the call, in an earlier one.
+            node_run.tool_results.append(result)
+
     def _output(self, value: Any) -> Any:
+        if isinstance(value, (list, tuple)) and any(isinstance(v, self._command_type) for v in value):
+            return [self._output(v) for v in value]
         if isinstance(value, self._command_type):
             record: dict[str, Any] = {"goto": self._targets(value)}
             if value.graph is not None:  # Command.PARENT, which LangGraph rewrites to the parent's namespace
@@ -487,7 +539,7 @@ class EpisodeBuilder:
         owner = self._owner(call_id, ns)
         place = next((i for i, c in enumerate(owner.tool_calls) if c.id == call_id), None) if owner else None
         self.tool_of_run[run_id] = _ToolRun(name, place, owner.id if owner else None, ns)
-        self.tool_by_run[run_id] = (name, call_id, at, ns)
+        self.tool_by_run[run_id] = (name, call_id, at, ns, place)
 
     def _tool_end(self, run_id: int, parent: Any, meta: Any, output: Any, at: float, _: Any) -> None:
         self._tool_done(run_id, output, None, at)
@@ -504,7 +556,7 @@ class EpisodeBuilder:
         """A tool call ended: with its output, its error, or `paused` in interrupt() having `asked`."""
         if run_id not in self.tool_by_run:
             return
-        name, call_id, started, ns = self.tool_by_run.pop(run_id)
+        name, call_id, started, ns, place = self.tool_by_run.pop(run_id)
         if isinstance(output, self._command_type):  # a handoff tool: what it says is the ToolMessage it adds
             output = _tool_message_of(output, call_id) or f"Command(goto={self._targets(output)})"
         if isinstance(output, ToolMessage):
@@ -516,6 +568,8 @@ class EpisodeBuilder:
             text = "" if output is None else content_text(output) if isinstance(output, (str, list)) else str(output)
         result = ToolResult(tool_call_id=call_id, name=name, output=text, error=error, paused=paused,
                             interrupt=asked, latency_s=at - started)
+        if place is not None:
+            self.result_place[id(result)] = place
         node_run = self.node_by_ns.get(ns) if ns is not None else None
         if node_run is not None:
             node_run.tool_results.append(result)
@@ -558,7 +612,10 @@ class EpisodeBuilder:
                 action.node_input = self._jsonable(node_run.raw_input)
             kept.append(action)
         ids = {a.id for a in kept}
+        places = self.result_place
         for i, action in enumerate(kept):
+            if len(action.tool_results) > 1:  # stable: results of calls no model asked for keep their order
+                action.tool_results.sort(key=lambda r: places.get(id(r), len(places)))
             action.index = i
             if action.parent_id not in ids:
                 action.parent_id = None
@@ -579,6 +636,20 @@ def _prompt_messages(prompt: Any, convert: Callable[[Any], dict[str, Any]]) -> l
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     return [convert(m) for m in prompt]
+
+
+def _messages_of(value: Any, commands: list[Any]) -> list[Any]:
+    """The messages a node's input or output holds under `messages` (MessagesState's key, the prebuilt agents'):
+    in a state update, in each update of a list the node returned, and in its Commands' updates."""
+    parts = [*(value if isinstance(value, (list, tuple)) else [value]), *(c.update for c in commands)]
+    found: list[Any] = []
+    for part in parts:
+        messages = part.get("messages") if isinstance(part, Mapping) else None
+        if isinstance(messages, (list, tuple)):
+            found.extend(messages)
+        elif messages is not None:
+            found.append(messages)
+    return found
 
 
 def _shows_status(node_run: _NodeRun, status: str) -> bool:

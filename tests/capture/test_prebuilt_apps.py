@@ -381,6 +381,25 @@ def test_a_tool_call_a_human_approved_gets_its_result_when_the_thread_is_joined(
     assert [a for a in joined.actions if a.kind == "llm"][-1].output_text == "done: sent to bob-2"
 
 
+def test_a_tool_call_a_human_rejected_gets_the_rejection_when_the_thread_is_joined(tmp_path) -> None:
+    """The rejection is a ToolMessage the approval node adds on resume, no tool run: the model was told it."""
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    from tests.capture.apps import message_input
+
+    store = TraceStore(tmp_path / "t.db")
+    app = instrument(_mailer(InMemorySaver()), store=store)
+    cfg = {"configurable": {"thread_id": "mail"}}
+    app.invoke(message_input(2), cfg)
+    out = app.invoke(Command(resume={"decisions": [{"type": "reject", "message": "no emails today"}]}), cfg)
+    told = out["messages"][2]
+    assert told.status == "error" and "no emails today" in told.content
+    joined = store.join_thread("mail")
+    asked = next(a for a in joined.actions if a.tool_calls)
+    assert [(r.tool_call_id, r.output, r.error) for r in asked.tool_results] == [("e-2", told.content, told.content)]
+    assert "no emails today" in build_prompt(joined, asked).messages[1].content
+
+
 def test_a_subagent_tool_that_paused_gives_its_result_to_the_call_that_asked(tmp_path) -> None:
     from langchain.agents import create_agent
     from langchain_core.messages import AIMessage, HumanMessage, ToolMessage

@@ -408,17 +408,22 @@ class EpisodeBuilder:
         if not told:
             return
         given = _messages_of(node_run.raw_input, [])
-        passed_on = {id(m) for m in given}
+        # passed on: the same object, or a copy with the same id (a subgraph resumed from its own checkpoint)
+        passed_on = {id(m) for m in given} | {m.id for m in given if getattr(m, "id", None)}
+        ns = node_run.action.checkpoint_ns
         for message in told:
-            if id(message) in passed_on:
+            if id(message) in passed_on or (message.id and message.id in passed_on):
                 continue
             call_id, text = message.tool_call_id, content_text(message.content)
-            owner = self._owner(call_id, node_run.action.checkpoint_ns)
+            # asked in this task or by a task of the same graph run: never "the latest call with this id", which
+            # in a fan-out whose branches reuse ids is another branch's
+            owner = (self.call_owner_in.get(("task", ns, call_id))
+                     or self.call_owner_in.get(("graph", _graph_ns(ns), call_id)))
             if owner is None and not any(c.get("id") == call_id for m in given for c in getattr(m, "tool_calls", ())):
                 continue  # no call asked for it: a made-up pair (langgraph-supervisor's "transferring back")
             known = owner.tool_results if owner is not None else node_run.tool_results
-            result = next((r for r in known if r.tool_call_id == call_id), None)
-            if result is not None:
+            result = next((r for r in reversed(known) if r.tool_call_id == call_id), None)
+            if result is not None:  # the latest attempt's (a retried tool): the message is what it ended with
                 if result.error is not None and not result.output and not result.paused:
                     result.output = text
                 continue
@@ -614,8 +619,8 @@ class EpisodeBuilder:
         ids = {a.id for a in kept}
         places = self.result_place
         for i, action in enumerate(kept):
-            if len(action.tool_results) > 1:  # stable: results of calls no model asked for keep their order
-                action.tool_results.sort(key=lambda r: places.get(id(r), len(places)))
+            if len(action.tool_results) > 1:  # stable: results of calls no model asked for go last, in order
+                action.tool_results.sort(key=lambda r: (0, places[id(r)]) if id(r) in places else (1, 0))
             action.index = i
             if action.parent_id not in ids:
                 action.parent_id = None
@@ -644,6 +649,8 @@ def _messages_of(value: Any, commands: list[Any]) -> list[Any]:
     parts = [*(value if isinstance(value, (list, tuple)) else [value]), *(c.update for c in commands)]
     found: list[Any] = []
     for part in parts:
+        if isinstance(part, (list, tuple)):  # a Command's update as (key, value) pairs
+            part = {key: v for key, v in (p for p in part if isinstance(p, tuple) and len(p) == 2) if key == "messages"}
         messages = part.get("messages") if isinstance(part, Mapping) else None
         if isinstance(messages, (list, tuple)):
             found.extend(messages)

@@ -234,3 +234,84 @@ def test_a_tool_that_routes_with_a_command_is_its_tool_nodes_handoff() -> None:
     tools = next(a for a in app.last_episode.actions if a.node == "tools")
     assert tools.handoff == ["human_team"]
     assert results(app.last_episode, "e1") == [("escalated: angry", None)]
+
+
+def test_a_retried_tool_keeps_each_attempts_own_result() -> None:
+    from langchain.agents import create_agent
+    from langchain.agents.middleware import ToolRetryMiddleware
+
+    failed: list[int] = []
+
+    @tool
+    def flaky(x: int) -> str:
+        """Fails the first time."""
+        if not failed:
+            failed.append(x)
+            raise ValueError("transient")
+        return f"good {x}"
+
+    retry = ToolRetryMiddleware(max_retries=2, initial_delay=0, retry_on=(ValueError,))
+    app = instrument(create_agent(ScriptedChatModel(script=once("flaky", {"x": 1}, "f0")), [flaky],
+                                  middleware=[retry]))
+    app.invoke({"messages": [HumanMessage("go")]})
+    assert results(app.last_episode, "f0") == [("", "ValueError: transient"), ("good 1", None)]
+
+
+def test_fan_out_branches_reusing_a_call_id_are_each_told_their_own_result() -> None:
+    """Branch A's worker task ends while branch B's call (the same id, the latest) has no result yet."""
+    from langgraph.prebuilt import create_react_agent
+    from langgraph.types import Send
+
+    @tool
+    def work(x: str) -> str:
+        """Work on x."""
+        time.sleep(0.3 if x == "A" else 0.8)
+        return f"worked {x}"
+
+    def script(m: list[BaseMessage]) -> AIMessage:
+        which = "A" if "task-A" in str(m[0].content) else "B"
+        if isinstance(m[-1], ToolMessage):
+            return AIMessage(f"done {which}")
+        time.sleep(0.1 if which == "B" else 0)
+        return call("work", {"x": which}, "call_0")
+
+    team = StateGraph(MessagesState)
+    team.add_node("plan", lambda s: {})
+    team.add_node("worker", create_react_agent(ScriptedChatModel(script=script), [work], name="worker"))
+    team.add_edge(START, "plan")
+    team.add_conditional_edges("plan", lambda s: [Send("worker", {"messages": [HumanMessage(f"task-{w}")]})
+                                                  for w in "AB"])
+    app = instrument(team.compile())
+    app.invoke({"messages": [HumanMessage("go")]})
+    asked = [a for a in app.last_episode.actions if a.tool_calls]
+    assert [[(r.tool_call_id, r.output) for r in a.tool_results] for a in asked] == [
+        [("call_0", "worked A")], [("call_0", "worked B")]]
+
+
+def test_a_subgraph_resumed_from_its_checkpoint_does_not_retell_earlier_results() -> None:
+    """On resume a subgraph reloads its messages from its own checkpoint: copies, with the same ids, of those in
+    its node's input."""
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.prebuilt import create_react_agent
+    from langgraph.types import interrupt
+
+    @tool
+    def approve(what: str) -> str:
+        """Ask a human."""
+        return f"human said {interrupt(what)}"
+
+    def script(m: list[BaseMessage]) -> AIMessage:
+        first = sum(isinstance(x, HumanMessage) for x in m) == 1
+        return once("add", {"a": 1, "b": 2}, "a1")(m) if first else once("approve", {"what": "ok?"}, "p1")(m)
+
+    team = StateGraph(MessagesState)
+    team.add_node("worker", create_react_agent(ScriptedChatModel(script=script), [add, approve], name="worker"))
+    team.add_edge(START, "worker")
+    app = instrument(team.compile(checkpointer=InMemorySaver()))
+    cfg = {"configurable": {"thread_id": "t"}}
+    app.invoke({"messages": [HumanMessage("go")]}, cfg)
+    app.invoke({"messages": [HumanMessage("again")]}, cfg)
+    app.invoke(Command(resume="yes"), cfg)
+    resumed = app.episodes[-1]
+    assert [(a.path, [(r.tool_call_id, r.output) for r in a.tool_results]) for a in resumed.actions] == [
+        ("worker/tools", [("p1", "human said yes")]), ("worker/agent", [])]

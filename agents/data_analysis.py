@@ -142,7 +142,9 @@ def make_table_tool(sandbox: Any, *, name: str = "python", cache: bool = True) -
     """The coder's Python tool: runs code in `sandbox` on the current task's table (`table_path` in the graph
     state, injected by ToolNode), so one graph serves every task. Runs are deterministic for a given (code,
     table), so results are memoised: a training run repeats the same code often, and each sandbox start costs
-    an interpreter and a pandas import."""
+    an interpreter and a pandas import. Only runs that succeeded are kept: a timeout or a memory kill depends
+    on the machine's load at the time, and replayed it would fail every later episode that wrote the same
+    code. `cache=False` for code whose output is meant to vary (random draws, the clock)."""
     from typing import Annotated as A
 
     from langchain_core.tools import StructuredTool
@@ -159,8 +161,9 @@ def make_table_tool(sandbox: Any, *, name: str = "python", cache: bool = True) -
         key = (code, state.get("table_path"))
         if cache and key in memo:
             return memo[key]
-        result = sandbox.run(code, table_path=state.get("table_path")).as_text(2000)
-        if cache:
+        ran = sandbox.run(code, table_path=state.get("table_path"))
+        result = ran.as_text(2000)
+        if cache and ran.ok:  # a failure may be the machine's (a timeout under load): the next call runs again
             memo[key] = result
         return result
 

@@ -15,7 +15,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 Level = Literal["easy", "medium", "hard"]
 LEVELS: tuple[Level, ...] = ("easy", "medium", "hard")
@@ -57,6 +57,16 @@ class DABenchTask(BaseModel):
     level: Level
     answers: list[tuple[str, str]] = Field(default_factory=list, description="[name, value] pairs")
     data_dir: Path | None = Field(None, exclude=True, repr=False, description="default: dabench_dir()")
+
+    @field_validator("file_name")
+    @classmethod
+    def _a_table_in_the_tables_folder(cls, name: str) -> str:
+        """The table is bound into the code sandbox: a name that leaves the tables folder (`../`, an absolute
+        path) would hand the agents' code any file of this machine."""
+        if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
+            raise ValueError(f"file_name {name!r} is not a file name in the dataset's tables folder "
+                             "(no folders, no '..', no absolute path): fix the dataset's questions.jsonl")
+        return name
 
     @property
     def table_path(self) -> Path:

@@ -20,10 +20,17 @@ Without `bwrap`, or where user namespaces are disabled, `run_python` refuses wit
 (naming the package and the command that installs it). Running without isolation is an explicit opt-in,
 `isolation="none"` or `MAPPA_SANDBOX_ISOLATION=none`, which warns on every call. There is no silent downgrade.
 
+A seccomp filter (tools/sandbox_seccomp.py, x86_64 and aarch64) refuses the calls that hold host memory no
+per-process limit counts (`memfd_create`, `memfd_secret`, System V IPC) and other ABIs' calls; /dev (a tmpfs
+with no size cap) is read-only.
+
 Known limits: an unprivileged `bwrap` can only map the sandbox's uid to the caller's own, so when the caller
 is root the sandboxed processes are host root without capabilities (in every namespace of their own), and
-RLIMIT_NPROC, which the kernel does not apply to root, is replaced by the parent's process watch. There is no
-seccomp filter, so a kernel bug reachable from an unprivileged process is outside what this layer stops.
+RLIMIT_NPROC, which the kernel does not apply to root, is replaced by the parent's process watch. Limits are
+per process (no cgroup): code that gets past the audit hook and starts processes can use up to the memory and
+CPU limits in each of them until the wall-clock deadline. The filter refuses only the calls above, so a kernel
+bug reachable from an unprivileged process is outside what this layer stops. Runs at the same time share the
+read-only files they see (a `flock` on one is visible to the other).
 
 The work folder is removed after each run; `files` and `figures` name what the run left there, and a caller
 that wants them passes `workdir`, which receives copies (at most `disk_mb` in all, regular files only).
@@ -54,8 +61,14 @@ from typing import IO, Literal
 from langchain_core.tools import BaseTool, StructuredTool
 from pydantic import BaseModel, Field
 
+from .sandbox_seccomp import program as seccomp_program
+
 FILE_LIMIT_MB = 64
 MAX_LISTED_FILES = 500
+# The child's report (its last line: at most 50k characters of error text and 500 file names of at most 300, as
+# UTF-8) stays under this; the parent reads no more of the report file than this from its end, since the code
+# in the child can write there too.
+REPORT_LIMIT_BYTES = 2 * 1024 * 1024
 SETUP_CPU_SECONDS = 30  # budget for interpreter start, imports and table loading, before the user's limit
 ISOLATION_ENV = "MAPPA_SANDBOX_ISOLATION"
 INSIDE_WORKDIR = "/sandbox"  # the work folder's path as the sandboxed code sees it
@@ -138,8 +151,11 @@ def run_python(
     base = Path(root) if root is not None else default_root()
     with ExitStack() as stack:
         out, err, report, archive, info = (stack.enter_context(tempfile.TemporaryFile()) for _ in range(5))
+        kept_fds = [report.fileno(), info.fileno()]
         if mode == "bwrap":
-            launch = _bwrap_launch(table, base, disk_mb, info.fileno())
+            syscalls = _seccomp_file(stack)
+            kept_fds += [syscalls.fileno()] if syscalls is not None else []
+            launch = _bwrap_launch(table, base, disk_mb, info.fileno(), syscalls.fileno() if syscalls else None)
         else:
             launch = _unisolated_launch(stack, table, base)
         payload = json.dumps(
@@ -165,7 +181,8 @@ def run_python(
             stdin=subprocess.PIPE,
             stdout=out,
             stderr=err,
-            pass_fds=(report.fileno(), archive.fileno(), info.fileno()),
+            # the archive only for a caller that keeps the files: a descriptor passed is 64 MB of our disk to fill
+            pass_fds=(*kept_fds, *([archive.fileno()] if workdir is not None else [])),
             cwd=launch.cwd,
             env=_child_env(launch.workdir),  # bwrap's own environment too: inside, /proc/1/environ is bwrap's
             start_new_session=True,  # its own process group, so one killpg ends everything it started
@@ -173,7 +190,7 @@ def run_python(
         # A thread feeds stdin so that a child that never reads cannot block us past the deadline.
         threading.Thread(target=_feed, args=(proc, payload), daemon=True).start()
         usage, stopped = _wait(proc, wall_seconds, info if mode == "bwrap" else None)
-        stdout, stderr = _read_text(out), _read_text(err)
+        stdout, stderr = _read_output(out, max_output_chars), _read_output(err, max_output_chars)
         reply = _read_report(report)
         files, note = _listed_files(reply), None
         if workdir is not None:
@@ -182,12 +199,12 @@ def run_python(
         proc.returncode, usage, stopped, reply, stderr, isolated=mode == "bwrap",
         cpu_seconds=cpu_seconds, wall_seconds=wall_seconds, memory_mb=memory_mb,
     )
-    if note:
+    if note:  # after the cut: stderr is already as long as it may be, and a note is one short line
         stderr = f"{stderr}\nnote: {note}" if stderr else f"note: {note}"
     return ExecResult(
         ok=error is None,
-        stdout=truncate(stdout, max_output_chars),
-        stderr=truncate(stderr, max_output_chars),
+        stdout=stdout,
+        stderr=stderr,
         error=truncate(error, max_output_chars) if error else None,
         figures=[f for f in files if f.lower().endswith(".png")],
         files=files,
@@ -300,10 +317,14 @@ def _bwrap() -> str:
         raise SandboxUnavailableError(
             f"{path} is bubblewrap {version.stdout.strip() or '(unknown version)'}, but the sandbox needs 0.8 or "
             f"later (--size caps the work folder, --disable-userns): {_INSTALL} from a newer release; " + _OPT_OUT)
-    probe = subprocess.run(  # the namespaces and mounts every run needs (a container may refuse /proc)
-        [path, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--as-pid-1",
-         "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--size", "65536", "--tmpfs", "/tmp", "--", "true"],
-        capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"}, check=False)
+    with ExitStack() as stack:  # the namespaces, mounts and filter every run needs (a container may refuse /proc)
+        syscalls = _seccomp_file(stack)
+        probe = subprocess.run(
+            [path, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--as-pid-1",
+             "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--size", "65536", "--tmpfs", "/tmp",
+             *(["--seccomp", str(syscalls.fileno())] if syscalls is not None else []), "--", "true"],
+            capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"}, check=False,
+            pass_fds=[syscalls.fileno()] if syscalls is not None else [])
     if probe.returncode != 0:
         raise SandboxUnavailableError(
             f"bubblewrap cannot create the sandbox's namespaces here ({probe.stderr.strip() or probe.returncode}):"
@@ -324,7 +345,19 @@ class _Launch:
     hidden: list[str] = field(default_factory=list)
 
 
-def _bwrap_launch(table: Path | None, base: Path, disk_mb: int, info_fd: int) -> _Launch:
+def _seccomp_file(stack: ExitStack) -> IO[bytes] | None:
+    """The system-call filter (tools/sandbox_seccomp.py) in a file bwrap reads, or None on a machine without
+    one."""
+    code = seccomp_program()
+    if code is None:
+        return None
+    handle = stack.enter_context(tempfile.TemporaryFile())  # noqa: SIM115 - closed by the caller's stack
+    handle.write(code)
+    handle.seek(0)
+    return handle
+
+
+def _bwrap_launch(table: Path | None, base: Path, disk_mb: int, info_fd: int, seccomp_fd: int | None = None) -> _Launch:
     """bwrap's arguments, in mount order (a later mount may sit inside an earlier one, never the reverse)."""
     uid, small, inside = str(SANDBOX_UID), str(PRIVATE_TMP_MB * 1024 * 1024), INSIDE_WORKDIR
     args = [_bwrap(), "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL",
@@ -337,7 +370,8 @@ def _bwrap_launch(table: Path | None, base: Path, disk_mb: int, info_fd: int) ->
         elif top.is_dir():
             args += ["--ro-bind", str(top), str(top)]
     args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache", "--proc", "/proc", "--dev", "/dev",
-             "--size", small, "--tmpfs", "/dev/shm", "--size", small, "--tmpfs", "/tmp"]
+             "--size", small, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",  # /dev itself is an uncapped tmpfs
+             "--size", small, "--tmpfs", "/tmp"]
     for folder in _python_folders():
         args += ["--ro-bind", folder, folder]
     args += ["--size", str(disk_mb * 1024 * 1024), "--tmpfs", inside, "--dir", f"{inside}/{_INTERNAL}/mpl"]
@@ -347,6 +381,8 @@ def _bwrap_launch(table: Path | None, base: Path, disk_mb: int, info_fd: int) ->
     if table is not None:  # at its own path (as the tool's description says) and as a name in the work folder
         args += ["--ro-bind", str(table), str(table), "--ro-bind", str(table), f"{inside}/{table.name}"]
         hidden.append(table.name)
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
     args += ["--info-fd", str(info_fd), "--remount-ro", "/", "--chdir", inside, "--"]
     return _Launch(prefix=args, workdir=inside, cwd="/", hidden=hidden)
 
@@ -487,7 +523,8 @@ class _SandboxWatch:
         while its parent is our bwrap."""
         if self._report is None:
             try:
-                report = json.JSONDecoder().raw_decode(_read_text(self._info).lstrip())[0]
+                self._info.seek(0)
+                report = json.JSONDecoder().raw_decode(self._info.read(65536).decode("utf-8", "replace").lstrip())[0]
                 pid = int(report["child-pid"])
                 with open(f"/proc/{pid}/status") as status:
                     parent = next(line.split()[1] for line in status if line.startswith("PPid:"))
@@ -549,21 +586,37 @@ def _kill_group(pid: int) -> None:
             pass
 
 
-def _read_text(handle: IO[bytes]) -> str:
+def _read_output(handle: IO[bytes], limit: int) -> str:
+    """What the child wrote to stdout or stderr, as `truncate` keeps it, reading only the head and the tail
+    it keeps: the child can write up to the file size limit, in bytes that are not UTF-8, and all of it read
+    and decoded held hundreds of MB in the parent."""
+    size = os.fstat(handle.fileno()).st_size
     handle.seek(0)
-    return handle.read().decode("utf-8", errors="replace")
+    if size <= 4 * limit:  # a UTF-8 character is at most 4 bytes
+        return truncate(handle.read().decode("utf-8", errors="replace"), limit)
+    head_chars, tail_chars = limit * 2 // 3, limit // 3
+    head = handle.read(4 * head_chars).decode("utf-8", errors="replace")[:head_chars]
+    handle.seek(size - 4 * tail_chars)
+    tail = handle.read().decode("utf-8", errors="replace")[-tail_chars:] if tail_chars else ""
+    return f"{head}\n... [{size} bytes in all: the middle is truncated] ...\n{tail}"
 
 
 def _read_report(handle: IO[bytes]) -> dict[str, object]:
-    """The child's last JSON line; user code can write there too, so anything unparsable counts as absent."""
-    for line in reversed(_read_text(handle).splitlines()):
-        try:
-            reply = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(reply, dict):
-            return reply
-    return {}
+    """The child's report: the last line of its report file, which the child writes as it ends. The code in the
+    child can write there too (and end before the report is written), so only that line is read, at most
+    REPORT_LIMIT_BYTES of it, and anything that is not a JSON object counts as no report: parsing every line
+    of a file of empty lines took minutes of the parent's CPU, and one deeply nested line raised RecursionError
+    out of the run."""
+    size = os.fstat(handle.fileno()).st_size
+    handle.seek(max(0, size - REPORT_LIMIT_BYTES))
+    lines = handle.read().rstrip(b"\n").rsplit(b"\n", 1)
+    if size > REPORT_LIMIT_BYTES and len(lines) == 1:
+        return {}  # the last line began before the window: not one the child wrote
+    try:
+        reply = json.loads(lines[-1].decode("utf-8", errors="replace"))
+    except (ValueError, RecursionError):
+        return {}
+    return reply if isinstance(reply, dict) else {}
 
 
 def _diagnose(
@@ -627,11 +680,11 @@ def _save_files(archive: IO[bytes], dest: Path, limit_bytes: int) -> tuple[list[
                     break
                 try:
                     tar.extract(member, dest, filter="data")
-                except tarfile.FilterError:
-                    continue  # a name reaching outside `dest`: never ours, so not copied
+                except (tarfile.FilterError, ValueError):
+                    continue  # a name reaching outside `dest`, or one no path can hold (a NUL): never ours
                 kept.append(member.name)
                 total += member.size
-    except (tarfile.TarError, OSError) as exc:
+    except (tarfile.TarError, OSError, ValueError) as exc:
         note = f"could not copy the run's files to {dest}: {exc}"
     return kept, note
 

@@ -486,7 +486,11 @@ def main(cfg):
             print(f"note: could not pack the run's files: {type(exc).__name__}: {exc}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.write(cfg["report_fd"], ("\n" + json.dumps({"error": error, "files": files}) + "\n").encode())
+    if error is not None and len(error) > 50000:  # the report stays well inside what the parent reads of it
+        error = error[:30000] + "\n  ...\n" + error[-20000:]
+    files = [name[:300] for name in files]
+    report = json.dumps({"error": error, "files": files}, ensure_ascii=False)  # at most 4 bytes a character
+    os.write(cfg["report_fd"], ("\n" + report + "\n").encode("utf-8", "replace"))
     os._exit(0)  # skip interpreter teardown: user atexit handlers and finalizers do not get to run
 
 

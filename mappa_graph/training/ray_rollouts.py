@@ -281,8 +281,15 @@ class RayRollouts:
                 by_episode.setdefault(r.episode_id, []).append(r)
         return [r for e in episodes for r in by_episode.get(e.id, [])]  # the order the driver would give
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the workers and return once they are gone. `ray.kill` alone only asks: a call made just after
+        it could still be answered by a live worker (seen on a loaded machine). Each worker ends once the calls
+        queued before are done (`__ray_terminate__`, whose result comes back as the worker exits); one that
+        has not ended within `timeout` seconds is killed."""
         ray = import_ray()
-        for w in self.workers:
-            ray.kill(w)
+        ends = [w.__ray_terminate__.remote() for w in self.workers]
+        ended, _ = ray.wait(ends, num_returns=len(ends), timeout=timeout) if ends else ([], [])
+        for worker, end in zip(self.workers, ends):
+            if end not in ended:
+                ray.kill(worker)
         self.workers, self.live = [], []

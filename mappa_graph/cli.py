@@ -211,13 +211,19 @@ def _export(args: argparse.Namespace) -> int:
         raise CommandError("--output-dir is required: the run folder whose checkpoints/ to export")
     config = config_from_args(args, base)
     run_dir = Path(config.output_dir)
-    path = Path(args.checkpoint) if args.checkpoint else latest_checkpoint(run_dir / "checkpoints")
+    try:
+        path = Path(args.checkpoint) if args.checkpoint else latest_checkpoint(run_dir / "checkpoints")
+    except (FileNotFoundError, ValueError) as exc:
+        raise CommandError(str(exc)) from exc
     if path is None or not (path / "state.pt").exists():
         raise CommandError(f"no checkpoint at {path or run_dir / 'checkpoints'}: train first "
                            f"(mappa train {args.recipe} --output-dir {run_dir}) or pass --checkpoint RUN/checkpoints/iter-N")
     trainer = _load_recipe(args.recipe)(config)
     # load the checkpoint only: Trainer.resume would also trim the run's metrics and traces, and a run may be live
-    payload = load_checkpoint(path, trainer.policies, trainer.optimizers)  # type: ignore[attr-defined]
+    try:
+        payload = load_checkpoint(path, trainer.policies, trainer.optimizers)  # type: ignore[attr-defined]
+    except ValueError as exc:  # another team's checkpoint, or one that is not ours
+        raise CommandError(str(exc)) from exc
     iteration = int(payload["iteration"])
     manifest = export_adapters(trainer.policies, args.out, run=config.run_name, iteration=iteration,  # type: ignore[attr-defined]
                                version=max(iteration, 1), metrics=_iteration_metrics(run_dir / "metrics.jsonl", iteration))

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +20,7 @@ if TYPE_CHECKING:
     from .optim import AgentOptimizers
 
 LATEST = "latest"
+_CHECKPOINT_NAME = re.compile(r"iter-\d+")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -45,6 +48,17 @@ def rng_state() -> dict[str, Any]:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def _numpy_globals() -> list[Any]:
+    """What `np.random.get_state()` pickles as, for torch.load's weights-only unpickler."""
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -106,7 +120,11 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     pointer = root / LATEST
     if not pointer.exists():
         return None
-    path = root / pointer.read_text().strip()
+    name = pointer.read_text().strip()
+    if not _CHECKPOINT_NAME.fullmatch(name):  # a pointer that leads out of the run folder loads nothing
+        raise ValueError(f"checkpoint pointer {pointer} names {name!r}, not a checkpoint of this folder "
+                         "(iter-N); it was not written by mappa_graph: fix or delete it")
+    path = root / name
     if not (path / "state.pt").exists():
         raise FileNotFoundError(f"checkpoint pointer {pointer} names {path}, which is missing or incomplete")
     return path
@@ -116,7 +134,14 @@ def load_checkpoint(path: str | Path, policies: AgentPolicies, optimizers: Agent
     """Restore adapters, optimisers and RNG; returns the saved payload (iteration, trainer state)."""
     import torch
 
-    payload = torch.load(Path(path) / "state.pt", weights_only=False)
+    state = Path(path) / "state.pt"
+    try:  # tensors, numbers, strings and the numpy RNG state's array, nothing that runs code as it loads
+        with torch.serialization.safe_globals(_numpy_globals()):
+            payload = torch.load(state, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise ValueError(f"checkpoint {state} holds more than tensors and plain values, so it was not loaded "
+                         f"(unpickling it could run any code): it was not written by mappa_graph, or was "
+                         "changed since") from error
     missing = set(policies.adapters) - set(payload["adapters"])
     if missing:
         raise ValueError(f"checkpoint {path} has no adapter for {', '.join(sorted(missing))}; was it another team?")

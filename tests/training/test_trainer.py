@@ -80,6 +80,32 @@ def test_resume_gives_the_same_next_iteration_state_as_an_unbroken_run(tmp_path)
     assert [r["iteration"] for r in lines] == [1, 2]
 
 
+class _Planted:
+    """What a tampered checkpoint holds: an object whose unpickling runs code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_checkpoint_that_would_run_code_as_it_loads_is_refused(tmp_path) -> None:
+    trainer = arithmetic.build_trainer(_config(tmp_path / "run", iterations=1), _policies())
+    trainer.train(1)
+    folder = tmp_path / "run" / "checkpoints"
+    state = folder / (folder / "latest").read_text().strip() / "state.pt"
+    payload = torch.load(state, weights_only=False)
+    payload["trainer"] = {"note": _Planted(tmp_path / "ran")}
+    torch.save(payload, state)
+    with pytest.raises(ValueError, match="holds more than tensors and plain values, so it was not loaded"):
+        arithmetic.build_trainer(_config(tmp_path / "run", iterations=1), _policies(), resume=True)
+    assert not (tmp_path / "ran").exists()
+    (folder / "latest").write_text("../../elsewhere")
+    with pytest.raises(ValueError, match="not a checkpoint of this folder"):
+        arithmetic.build_trainer(_config(tmp_path / "run", iterations=1), _policies(), resume=True)
+
+
 def test_nonfinite_advantage_skips_the_step_and_says_so(tmp_path, caplog) -> None:
     trainer = arithmetic.build_trainer(_config(tmp_path), _policies())
     tasks = trainer.sample_tasks(1)

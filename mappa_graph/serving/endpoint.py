@@ -39,6 +39,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Self
+from urllib.parse import quote
 
 from ..messages import MAPPA_KEY
 from .routing import AgentOf, CallRegistry, CallRouter, PendingCall, RouteError, call_key, request_messages, tool_names
@@ -91,9 +92,11 @@ class PolicyEndpoint:
 
     `agents` maps the outermost node of a call's task path to its agent (or is a function of the call's run
     metadata); by default the node's name is the agent. `api_key`: when set, requests must carry it as a
-    Bearer token. `max_tokens`: the completion length when a request sets none. `pending_ttl`: seconds after
-    which a registered call whose reply never came back (its app died) is dropped rather than kept for a
-    request it could be mistaken for; longer than any request may wait (`upstream_timeout`)."""
+    Bearer token. `max_tokens`: the completion length when a request sets none; `max_tokens_limit`: the most a
+    request may ask for (one request decodes while others wait for the model, so an unbounded one stalled the
+    server). `max_body_mb`: the largest request body read. `pending_ttl`: seconds after which a registered call
+    whose reply never came back (its app died) is dropped rather than kept for a request it could be mistaken
+    for; longer than any request may wait (`upstream_timeout`)."""
 
     def __init__(
         self,
@@ -105,6 +108,8 @@ class PolicyEndpoint:
         host: str = "127.0.0.1",
         port: int = 0,
         max_tokens: int = 64,
+        max_tokens_limit: int = 4096,
+        max_body_mb: float = 16.0,
         served_name: str | None = None,
         upstream_timeout: float = 300.0,
         pending_ttl: float = 900.0,
@@ -113,11 +118,12 @@ class PolicyEndpoint:
         if (policies is None) == (upstream is None):
             raise ValueError("PolicyEndpoint serves either AgentPolicies (in-process) or an upstream VLLMBackend "
                              "(forwarding): pass exactly one of policies= and upstream=")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if not 1 <= max_tokens <= max_tokens_limit:
+            raise ValueError(f"max_tokens must be in [1, max_tokens_limit={max_tokens_limit}], got {max_tokens}")
         self.policies, self.upstream = policies, upstream
         self.api_key, self.host, self.port = api_key, host, port
-        self.max_tokens = max_tokens
+        self.max_tokens, self.max_tokens_limit = max_tokens, max_tokens_limit
+        self.max_body_bytes = int(max_body_mb * 1024 * 1024)
         self.upstream_timeout = upstream_timeout
         self.served_name = served_name or (policies.base_name if policies is not None else upstream.base_model)
         self.registry = CallRegistry(stale_after=pending_ttl)
@@ -220,6 +226,28 @@ class PolicyEndpoint:
                                  Route("/v1/mappa/calls/{run_id}/finish", self._finish_call, methods=["POST"])],
                          lifespan=lifespan)
 
+    async def _json(self, request: Any) -> dict[str, Any]:
+        """The request body as a JSON object, read up to `max_body_bytes` (a body past it is refused as it
+        arrives, not held whole in memory first)."""
+        declared = request.headers.get("content-length")
+        too_big = RouteError(413, f"the request body is larger than this server takes ({self.max_body_bytes} "
+                             "bytes; PolicyEndpoint(max_body_mb=...))", code="request_too_large")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise too_big
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise too_big
+        try:
+            payload = json.loads(body)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            raise RouteError(400, "the request body is not valid JSON (or nests deeper than a JSON parser "
+                             "takes)", code="invalid_json") from None
+        if not isinstance(payload, dict):
+            raise RouteError(400, "the request body must be a JSON object", code="invalid_json")
+        return payload
+
     def _refuse(self, error: RouteError) -> Any:
         from starlette.responses import JSONResponse
 
@@ -255,9 +283,10 @@ class PolicyEndpoint:
 
         try:
             self._check_key(request)
-            body = await request.json()
-            call = PendingCall(run_id=uuid.UUID(str(body["run_id"])), agent=body.get("agent"), node=body.get("node"),
-                               key=str(body["key"]), seed=body.get("seed"), greedy=bool(body.get("greedy")),
+            body = await self._json(request)
+            call = PendingCall(run_id=uuid.UUID(str(body["run_id"])), agent=_optional(body, "agent", str),
+                               node=_optional(body, "node", str), key=_call_key(body.get("key")),
+                               seed=_optional(body, "seed", int), greedy=_optional(body, "greedy", bool) or False,
                                temperature=_call_temperature(body.get("temperature")))
         except RouteError as error:
             return self._refuse(error)
@@ -273,7 +302,9 @@ class PolicyEndpoint:
         try:
             self._check_key(request)
             run_id = uuid.UUID(request.path_params["run_id"])
-            ids = (await request.json()).get("completion_ids") or []
+            ids = (await self._json(request)).get("completion_ids") or []
+            if not isinstance(ids, list) or not all(i is None or isinstance(i, str) for i in ids):
+                raise ValueError(f"completion_ids must be a list of strings (or nulls), got {ids!r:.200}")
         except RouteError as error:
             return self._refuse(error)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -285,13 +316,8 @@ class PolicyEndpoint:
 
         try:
             self._check_key(request)
-            try:
-                payload = await request.json()
-            except (ValueError, UnicodeDecodeError):
-                raise RouteError(400, "the request body is not valid JSON", code="invalid_json") from None
-            if not isinstance(payload, dict):
-                raise RouteError(400, "the request body must be a JSON object", code="invalid_json")
-            settings = _sampling(payload, self.max_tokens)
+            payload = await self._json(request)
+            settings = _sampling(payload, self.max_tokens, self.max_tokens_limit)
             messages = request_messages(payload)
             key = call_key(messages, tool_names(payload.get("tools")))
             call = self.registry.claim(key, model=payload.get("model"), agents=self.agents)
@@ -312,7 +338,7 @@ class PolicyEndpoint:
                                  call.run_id if call is not None else None,
                                  key=call.key if call is not None else None)
         self.requests_served += 1
-        headers = {"x-mappa-agent": completion.agent, "x-mappa-adapter": str(completion.adapter)}
+        headers = {"x-mappa-agent": _header(completion.agent), "x-mappa-adapter": _header(str(completion.adapter))}
         if payload.get("stream"):
             return StreamingResponse(self._events(completion, payload), media_type="text/event-stream",
                                      headers=headers)
@@ -488,7 +514,10 @@ class PolicyEndpoint:
         yield "data: [DONE]\n\n"
 
 
-def _sampling(payload: Mapping[str, Any], default_max_tokens: int) -> dict[str, Any]:
+MIN_TEMPERATURE = 1e-4  # above 0: float32 logits divided by a smaller one overflow, and the log-probs are NaN
+
+
+def _sampling(payload: Mapping[str, Any], default_max_tokens: int, max_tokens_limit: int = 4096) -> dict[str, Any]:
     """The request's sampling settings, checked; a bad value is a 400 naming the parameter."""
     def bad(param: str, why: str) -> RouteError:
         return RouteError(400, f"invalid '{param}': {why}", code="invalid_value", param=param)
@@ -499,24 +528,36 @@ def _sampling(payload: Mapping[str, Any], default_max_tokens: int) -> dict[str, 
     n = payload.get("n", 1)
     if n not in (1, None):
         raise bad("n", f"only n=1 is served, got {n!r}; send n requests (identical prompts of one agent are fine)")
-    max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens") or default_max_tokens
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise bad("max_tokens", f"must be a positive integer, got {max_tokens!r}")
+    param = "max_completion_tokens" if payload.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = payload.get(param)
+    max_tokens = default_max_tokens if max_tokens is None else max_tokens
+    if not _is_int(max_tokens) or not 1 <= max_tokens <= max_tokens_limit:
+        raise bad(param, f"must be an integer in [1, {max_tokens_limit}] (this server's limit), got {max_tokens!r:.100}")
     temperature = payload.get("temperature")
     temperature = 1.0 if temperature is None else temperature
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 <= temperature <= 2:
-        raise bad("temperature", f"must be a number in [0, 2], got {temperature!r}")
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not (
+            temperature == 0 or MIN_TEMPERATURE <= temperature <= 2):
+        raise bad("temperature", f"must be 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, 2], got {temperature!r:.100} "
+                  "(a smaller one underflows the log-probs)")
     top_logprobs = payload.get("top_logprobs") or 0
-    if not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20:
-        raise bad("top_logprobs", f"must be an integer in [0, 20], got {top_logprobs!r}")
+    if not _is_int(top_logprobs) or not 0 <= top_logprobs <= 20:
+        raise bad("top_logprobs", f"must be an integer in [0, 20], got {top_logprobs!r:.100}")
     seed = payload.get("seed")
-    if seed is not None and not isinstance(seed, int):
-        raise bad("seed", f"must be an integer, got {seed!r}")
+    if seed is not None and not _is_int(seed):
+        raise bad("seed", f"must be an integer, got {seed!r:.100}")
     stop = payload.get("stop")
-    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise bad("stop", f"must be a string or a list of at most 4 non-empty strings, got {stop!r:.100}")
     for key in ("messages", "tools"):
         if payload.get(key) is not None and not isinstance(payload[key], list):
             raise bad(key, "must be a list")
+    for key in ("stream", "logprobs"):
+        if payload.get(key) is not None and not isinstance(payload[key], bool):
+            raise bad(key, f"must be true or false, got {payload[key]!r:.100}")
+    options = payload.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)):
+        raise bad("stream_options", f"must be an object such as {{\"include_usage\": true}}, got {options!r:.100}")
     return {"max_tokens": max_tokens, "temperature": float(temperature), "greedy": temperature == 0,
             "top_logprobs": top_logprobs, "logprobs": bool(payload.get("logprobs")), "seed": seed, "stop": stop}
 
@@ -537,6 +578,30 @@ def _call_temperature(value: Any) -> float | None:
     a greedy call registers greedy=true instead."""
     if value is None:
         return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 2:
-        raise ValueError(f"temperature must be a number in (0, 2], got {value!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not MIN_TEMPERATURE <= value <= 2:
+        raise ValueError(f"temperature must be a number in [{MIN_TEMPERATURE:g}, 2], got {value!r:.100}")
     return float(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _optional(body: Mapping[str, Any], key: str, kind: type) -> Any:
+    """A registration field that is absent, null, or of `kind` (a bool is no int here)."""
+    value = body.get(key)
+    if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+        raise ValueError(f"{key} must be a {kind.__name__} or null, got {value!r:.100}")
+    return value
+
+
+def _call_key(value: Any) -> str:
+    """A registration's key: the digest `call_key` computes (32 hex digits), never the app's text itself."""
+    if not isinstance(value, str) or not 1 <= len(value) <= 128:
+        raise ValueError(f"key must be the call's digest (routing.call_key), got {value!r:.100}")
+    return value
+
+
+def _header(value: str) -> str:
+    """A header value HTTP can carry: an agent named in other scripts than Latin-1 is percent-encoded (UTF-8)."""
+    return value if value.isascii() and value.isprintable() else quote(value, safe="")

@@ -269,6 +269,54 @@ def test_unknown_agent_and_bad_requests_get_openai_style_errors(endpoint, client
     assert raw.status_code == 400 and raw.json()["error"]["code"] == "invalid_json"
 
 
+@pytest.mark.parametrize(("field", "value", "param"), [
+    ("max_tokens", 10**9, "max_tokens"),  # decoded while every other request waited: the server stalled
+    ("max_tokens", 0, "max_tokens"),  # fell back to the default
+    ("max_completion_tokens", -1, "max_completion_tokens"),
+    ("temperature", 1e-300, "temperature"),  # 0 in float32: NaN log-probs, then a bare 500
+    ("top_logprobs", True, "top_logprobs"),
+    ("seed", True, "seed"),
+    ("stop", 5, "stop"),
+    ("stop", [1], "stop"),
+    ("stream", "yes", "stream"),
+    ("stream_options", [1], "stream_options"),  # failed after the 200 headers, mid-stream
+])
+def test_hostile_sampling_fields_are_refused_up_front_naming_the_field(endpoint, field, value, param):
+    body = {"model": "writer", "messages": [{"role": "user", "content": "hello"}], field: value}
+    if field == "stream_options":
+        body["stream"] = True
+    reply = httpx.post(f"{endpoint.base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param and reply.json()["error"]["code"] == "invalid_value"
+
+
+def test_hostile_bodies_and_registrations_get_4xx_errors_not_500s(endpoint):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    url = endpoint.base_url
+    deep = b"[" * 100_000 + b"]" * 100_000  # RecursionError, not a ValueError
+    for path in ("/chat/completions", "/mappa/calls", f"/mappa/calls/{uuid.uuid4()}/finish"):
+        reply = httpx.post(url + path, content=deep, headers=auth)
+        assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_json", (path, reply.text)
+    huge = httpx.post(url + "/chat/completions", content=b" " * (17 << 20), headers=auth)
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
+    good = {"run_id": str(uuid.uuid4()), "key": "0" * 32, "node": "writer"}
+    for bad in ({"node": ["a"]}, {"key": "k" * (4 << 20)}, {"seed": "x"}, {"greedy": "false"}, {"agent": 5}):
+        reply = httpx.post(url + "/mappa/calls", json={**good, **bad}, headers=auth)
+        assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_call", (bad, reply.text)
+    for ids in (5, [{}]):
+        reply = httpx.post(f"{url}/mappa/calls/{uuid.uuid4()}/finish", json={"completion_ids": ids}, headers=auth)
+        assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_call", (ids, reply.text)
+
+
+def test_an_agent_named_in_any_script_is_served(tiny_path, one_torch_thread):
+    policies = AgentPolicies.from_pretrained(str(tiny_path), ["研究员"])
+    with PolicyEndpoint(policies, max_tokens=2) as endpoint:
+        reply = httpx.post(f"{endpoint.base_url}/chat/completions",
+                           json={"model": "研究员", "messages": [{"role": "user", "content": "hi"}]})
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["x-mappa-agent"] == "%E7%A0%94%E7%A9%B6%E5%91%98"
+
+
 def test_the_endpoint_survives_clients_that_disconnect_mid_stream(endpoint, client):
     body = {"model": "researcher", "messages": [{"role": "user", "content": "long answer"}], "stream": True,
             "max_tokens": 16}

@@ -416,10 +416,10 @@ class PolicyEndpoint:
             raise RouteError(404, f"agent {agent!r} has no adapter on the upstream server: {exc}",
                              code="model_not_found", param="model") from None
         greedy, seed = _call_sampling(settings, call)
-        body = {k: v for k, v in payload.items() if k not in ("stream", "stream_options")}
+        # only what the local path serves too: anything else (a vLLM-only knob, a chat template) is not sent
+        body = {k: v for k, v in payload.items() if k in _FORWARDED}
         body.update(model=adapter, logprobs=True, return_token_ids=True, temperature=0.0 if greedy else settings["temperature"],
-                    top_p=payload.get("top_p", 1.0), top_k=-1, max_tokens=settings["max_tokens"])
-        body.pop("max_completion_tokens", None)
+                    top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0, max_tokens=settings["max_tokens"])
         if seed is not None:
             body["seed"] = seed
         headers = {"Authorization": f"Bearer {self.upstream.api_key}"}
@@ -514,6 +514,20 @@ class PolicyEndpoint:
         yield "data: [DONE]\n\n"
 
 
+# Settings that change what a token is sampled from, with the values that change nothing. The loss assumes
+# temperature sampling from the model itself, so a request asking for another value is refused: served as is,
+# it would be sampled from one distribution and trained as if from another; ignored, the app would get other
+# sampling than it asked for.
+_SAMPLED_AS_IS: dict[str, tuple[Any, ...]] = {
+    "top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
+    "repetition_penalty": (1,), "min_tokens": (0,), "logit_bias": ({},), "response_format": ({"type": "text"},),
+    "structured_outputs": ({},), "guided_json": ((),), "guided_regex": ((),), "guided_choice": ((),),
+    "guided_grammar": ((),), "bad_words": ([],), "allowed_token_ids": ([],),
+}
+# What a forwarded request passes on from the client's (the rest is set by the endpoint or left out)
+_FORWARDED = frozenset({"messages", "tools", "tool_choice", "parallel_tool_calls", "stop", "seed", "user",
+                        "top_logprobs", "n"})
+
 MIN_TEMPERATURE = 1e-4  # above 0: float32 logits divided by a smaller one overflow, and the log-probs are NaN
 
 
@@ -555,6 +569,11 @@ def _sampling(payload: Mapping[str, Any], default_max_tokens: int, max_tokens_li
     for key in ("stream", "logprobs"):
         if payload.get(key) is not None and not isinstance(payload[key], bool):
             raise bad(key, f"must be true or false, got {payload[key]!r:.100}")
+    for key, neutral in _SAMPLED_AS_IS.items():
+        if payload.get(key) is not None and payload[key] not in neutral:
+            raise bad(key, f"{payload[key]!r:.100} changes the distribution tokens are sampled from, and training "
+                      "assumes temperature sampling from the model itself (the recorded log-probs are that "
+                      f"distribution's): leave it out or send {neutral[0]!r}")
     options = payload.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)):
         raise bad("stream_options", f"must be an object such as {{\"include_usage\": true}}, got {options!r:.100}")

@@ -308,6 +308,62 @@ def test_hostile_bodies_and_registrations_get_4xx_errors_not_500s(endpoint):
         assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_call", (ids, reply.text)
 
 
+def test_sampling_other_than_temperature_is_refused_and_never_forwarded(endpoint):
+    """The loss assumes temperature sampling from the model itself: top_p, penalties, logit bias or constrained
+    decoding would sample from one distribution and train as if from another. Forwarded requests pass on only
+    what the local path serves (a chat template, a vLLM-only knob, are not sent)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from mappa_graph.serving.vllm import VLLMBackend
+
+    hello = {"model": "writer", "messages": [{"role": "user", "content": "hello"}]}
+    for field, value in (("top_p", 0.5), ("presence_penalty", 2.0), ("logit_bias", {"5": 100}),
+                         ("response_format", {"type": "json_object"}), ("structured_outputs", {"regex": "a+"})):
+        reply = httpx.post(f"{endpoint.base_url}/chat/completions", json={**hello, field: value},
+                           headers={"Authorization": f"Bearer {KEY}"})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == field, (field, reply.text)
+        assert "changes the distribution tokens are sampled from" in reply.json()["error"]["message"]
+
+    seen: list[dict] = []
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": "base", "root": "/m", "parent": None},
+                                                         {"id": "writer-v1", "root": "/w", "parent": "base"}]})
+
+    async def chat(request):
+        seen.append(await request.json())
+        return JSONResponse({"id": "x", "model": "writer-v1", "prompt_token_ids": [1], "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop",
+            "token_ids": [5], "logprobs": {"content": [{"token": "hi", "logprob": -0.1}]}}]})
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/v1/models", models), Route(
+        "/v1/chat/completions", chat, methods=["POST"])]), log_level="error"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        backend = VLLMBackend.connect(f"http://127.0.0.1:{sock.getsockname()[1]}")
+        backend.route("writer", "writer-v1")
+        with PolicyEndpoint(upstream=backend) as forwarding:
+            reply = httpx.post(f"{forwarding.base_url}/chat/completions", json={
+                **hello, "top_p": 1, "chat_template": "{{ 'injected' }}", "echo": True, "priority": -100})
+    finally:
+        server.should_exit = True
+    assert reply.status_code == 200, reply.text
+    assert not {"chat_template", "echo", "priority"} & set(seen[-1])
+    assert {k: seen[-1][k] for k in ("top_p", "top_k", "min_p", "repetition_penalty", "temperature")} == {
+        "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "temperature": 1.0}
+
+
 def test_an_agent_named_in_any_script_is_served(tiny_path, one_torch_thread):
     policies = AgentPolicies.from_pretrained(str(tiny_path), ["研究员"])
     with PolicyEndpoint(policies, max_tokens=2) as endpoint:

@@ -9,6 +9,7 @@ episodes it still holds, so a call that has returned is always in the store.
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import threading
 import weakref
@@ -17,6 +18,9 @@ from contextlib import contextmanager, suppress
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel
+from pydantic_core import PydanticSerializationError
 
 from ..traces import Action, Episode, Reward
 from .courtesy import yield_gil
@@ -52,7 +56,9 @@ class TraceStore:
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        # another process writing a long batch holds the write lock for seconds: wait for it, not 5 s only
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=120)
+        self._refuse_foreign()
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA foreign_keys=ON")
@@ -68,6 +74,24 @@ class TraceStore:
                 )
         self._closed = False
         self._writers: list[weakref.WeakMethod[Callable[[], None]]] = []
+
+    def _refuse_foreign(self) -> None:
+        """Another application's database is refused before anything is written to it (opening it used to add
+        this store's tables and switch it to WAL for good, then fail); so is a store whose version is not a
+        number."""
+        tables = {row[0] for row in self._db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if not tables:
+            return
+        try:
+            row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            version = int(row[0]) if row is not None else None
+        except (sqlite3.Error, ValueError, TypeError):
+            version = None
+        if version is None:
+            self._db.close()
+            raise ValueError(f"{self.path} is an SQLite database but not a mappa_graph trace store (its tables: "
+                             f"{', '.join(sorted(tables)[:8])}); nothing was changed: pass the path of a trace "
+                             "store, or of a new file")
 
     # ---- lifecycle --------------------------------------------------------------------------------------
     @contextmanager
@@ -157,7 +181,7 @@ class TraceStore:
                     "INSERT OR REPLACE INTO rewards (id, action_id, episode_id, run, agent, judge, score, data) "
                     "VALUES (?,?,?,?,?,?,?,?)",
                     (reward.id, reward.action_id, reward.episode_id, runs[reward.episode_id], reward.agent,
-                     reward.judge, reward.score, reward.model_dump_json()),
+                     reward.judge, reward.score, _json(reward)),
                 )
 
     def set_outcome(self, episode_id: str, outcome: float | None) -> None:
@@ -380,6 +404,32 @@ def _give_resumed_results(actions: list[Action]) -> None:
             waiting.update({c.id: action for c in action.tool_calls if c.id and c.id not in done})
 
 
+def _json(model: BaseModel, **kwargs: Any) -> str:
+    """A model as JSON text. Text that is not Unicode (a lone surrogate: what `os.fsdecode`, `os.listdir` or
+    `os.environ` give for bytes that are not UTF-8) cannot be written as UTF-8, and failed the episode's whole
+    store write: such text is kept with its bytes spelled out (`report-\\xff.csv`), in this row only."""
+    try:
+        return model.model_dump_json(**kwargs)
+    except PydanticSerializationError:
+        return json.dumps(_spelled_out(model.model_dump(mode="json", **kwargs)), ensure_ascii=False)
+
+
+def _spelled_out(value: Any) -> Any:
+    if isinstance(value, str):
+        if value.isascii():
+            return value
+        raw = value.encode("utf-8", "surrogateescape" if _ESCAPED_ONLY.fullmatch(value) else "surrogatepass")
+        return raw.decode("utf-8", "backslashreplace")
+    if isinstance(value, dict):
+        return {_spelled_out(k): _spelled_out(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_spelled_out(v) for v in value]
+    return value
+
+
+_ESCAPED_ONLY = re.compile("[^\ud800-\udc7f\udd00-\udfff]*")  # surrogates, if any, are surrogateescape's
+
+
 def _episode_rows(episodes: Iterable[Episode]) -> list[tuple[tuple[Any, ...], list[tuple[Any, ...]]]]:
     """Each episode's row and its actions' rows, serialised by pydantic-core (the head through
     `model_dump` and `json.dumps` took 15 us of a 3-node episode's 35, now 4); on the trace writer, the GIL goes
@@ -388,8 +438,8 @@ def _episode_rows(episodes: Iterable[Episode]) -> list[tuple[tuple[Any, ...], li
     rows = []
     for episode in episodes:
         actions = [(action.id, episode.id, episode.run, action.agent, action.node, action.index,
-                    action.model_dump_json()) for action in episode.actions]
+                    _json(action)) for action in episode.actions]
         rows.append(((episode.id, episode.run, episode.task_id, episode.outcome, episode.error, episode.started_at,
-                      episode.model_dump_json(exclude={"actions"})), actions))
+                      _json(episode, exclude={"actions"})), actions))
         yield_gil()
     return rows

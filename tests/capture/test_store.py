@@ -78,3 +78,41 @@ def test_a_threads_episodes_are_listed_and_joined_with_their_rewards(tmp_path) -
     assert store.count("episodes") == 2 and store.count("actions") == 4
     with pytest.raises(KeyError, match="no episodes of thread 'nope'"):
         store.join_thread("nope")
+
+
+def test_text_that_is_not_unicode_is_stored_with_its_bytes_spelled_out(tmp_path) -> None:
+    """A lone surrogate (a file name that is not UTF-8, through os.fsdecode) failed the whole store write."""
+    import os
+    from typing import TypedDict
+
+    from langgraph.graph import START, StateGraph
+
+    from mappa_graph import instrument
+
+    class State(TypedDict):
+        name: str
+
+    graph = StateGraph(State)
+    graph.add_node("lister", lambda state: {"name": os.fsdecode(b"report-\xff.csv")})
+    graph.add_edge(START, "lister")
+    store = TraceStore(tmp_path / "t.db")
+    app = instrument(graph.compile(), store=store)
+    assert app.invoke({"name": "go"}) == {"name": "report-\udcff.csv"}
+    (stored,) = store.episodes()
+    assert stored.final_state == {"name": "report-\\xff.csv"}
+    assert store.actions()[0].node_output == {"name": "report-\\xff.csv"}
+    assert app.last_episode.final_state == {"name": "report-\udcff.csv"}  # the episode in memory is as it was
+
+
+def test_another_applications_database_is_refused_unchanged(tmp_path) -> None:
+    import sqlite3
+
+    path = tmp_path / "other.db"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE episodes (name TEXT)")
+        db.execute("INSERT INTO episodes VALUES ('theirs')")
+    db.close()
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match="is an SQLite database but not a mappa_graph trace store .*nothing was changed"):
+        TraceStore(path)
+    assert path.read_bytes() == before and not (tmp_path / "other.db-wal").exists()

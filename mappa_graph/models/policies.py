@@ -152,6 +152,7 @@ class AgentPolicies:
 
     def load_adapter(self, agent: str, folder: str | Path) -> None:
         """Replace an agent's adapter weights with those saved in a PEFT adapter folder."""
+        import torch
         from peft.utils import set_peft_model_state_dict
         from safetensors.torch import load_file
 
@@ -159,8 +160,25 @@ class AgentPolicies:
         weights = Path(folder) / "adapter_model.safetensors"
         if not weights.exists():
             raise FileNotFoundError(f"no adapter weights at {weights} (expected a PEFT adapter folder)")
-        with self.lock:
-            set_peft_model_state_dict(self.model, load_file(str(weights)), adapter_name=adapter)
+        state = load_file(str(weights))
+        broken = [name for name, tensor in state.items() if tensor.is_floating_point() and not tensor.isfinite().all()]
+        if broken:
+            raise ValueError(f"adapter {folder} has weights that are not finite ({', '.join(broken[:3])}): not loaded")
+        params = self.adapter_parameters(agent)
+        with self.lock, torch.no_grad():
+            kept = {name: p.detach().clone() for name, p in params.items()}
+            loaded = set_peft_model_state_dict(self.model, state, adapter_name=adapter)
+            # peft loads what matches and skips the rest: an adapter of other target modules (as many tensors)
+            # loaded nothing and served the base model as this agent's
+            missing = sorted(set(loaded.missing_keys) & set(params))
+            if loaded.unexpected_keys or missing:
+                for name, value in kept.items():
+                    params[name].copy_(value)
+                raise ValueError(
+                    f"adapter {folder} does not fit agent {agent!r}'s LoRA (other target modules, or another base): "
+                    f"{len(loaded.unexpected_keys)} of its tensors have no place here "
+                    f"({', '.join(list(loaded.unexpected_keys)[:2])}) and {len(missing)} of the agent's were not in "
+                    "it; nothing was changed")
 
     def chat_model(self, agent: str, **kwargs: Any) -> PolicyChatModel:
         """A langchain-core chat model whose calls go to `agent`'s adapter (use it inside that agent's node)."""

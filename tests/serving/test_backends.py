@@ -285,6 +285,27 @@ def test_local_backend_refuses_an_adapter_of_another_shape(policies, tiny_path, 
         LocalBackend(policies).load_adapter("planner", Path(tmp_path / "missing"))
 
 
+def test_an_adapter_of_other_modules_with_as_many_tensors_is_refused_and_changes_nothing(tiny_path, tmp_path) -> None:
+    """peft loads the keys that match and skips the rest: an adapter of other target modules loaded nothing
+    and the agent served the base model, with no error."""
+    from mappa_graph.models.policies import LoraSettings
+
+    def team(modules: list[str]) -> AgentPolicies:
+        return AgentPolicies.from_pretrained(str(tiny_path), ["planner"], lora=LoraSettings(target_modules=modules))
+
+    serving, other = team(["q_proj", "v_proj"]), team(["k_proj", "o_proj"])
+    assert len(other.adapter_parameters("planner")) == len(serving.adapter_parameters("planner"))
+    folder = save_adapter(other, "planner", tmp_path / "other-modules")
+    before = {n: p.detach().clone() for n, p in serving.adapter_parameters("planner").items()}
+    with pytest.raises(ValueError, match="does not fit agent 'planner''s LoRA .* nothing was changed"):
+        LocalBackend(serving).load_adapter("planner", folder)
+    assert all(torch.equal(before[n], p) for n, p in serving.adapter_parameters("planner").items())
+    with torch.no_grad():
+        next(iter(other.adapter_parameters("planner").values()))[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="not finite"):
+        other.load_adapter("planner", save_adapter(other, "planner", tmp_path / "nan"))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None or not torch.cuda.is_available(),
                     reason="needs vLLM (the [vllm] extra) and a CUDA device")

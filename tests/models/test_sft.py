@@ -51,10 +51,29 @@ def test_warm_start_key_changes_with_the_tiny_models_build_version(monkeypatch):
     from mappa_graph.models.sft import SFTExample, warm_start_key
 
     examples = [SFTExample(messages=[{"role": "user", "content": "2+2?"}], reply="4")]
-    settings = {"steps": 10, "batch_size": 2, "lr": 1e-3, "seed": 0}
+    settings = {"steps": 10, "batch_size": 2, "lr": 1e-3, "seed": 0, "threads": 2}
     before = warm_start_key("tiny", examples, **settings)
     assert warm_start_key("tiny", examples, **settings) == before
     assert warm_start_key("tiny:1", examples, **settings) != before
     monkeypatch.setattr(tiny, "TINY_VERSION", "v-next")
     assert warm_start_key("tiny", examples, **settings) != before
     assert warm_start_key("/models/qwen", examples, **settings) == warm_start_key("/models/qwen", examples, **settings)
+
+
+def test_a_warm_start_built_on_one_torch_thread_is_not_served_to_a_caller_on_two(tiny_path, tmp_path, monkeypatch):
+    """torch's intra-op thread count splits the reductions differently, so the same settings give other
+    weights: the arithmetic warm start built on 1 thread (a test that set it) ended at loss 0.385 against 0.367
+    on 2, and the trainer tests that read it from the cache failed in a full run and passed alone."""
+    from mappa_graph.models.sft import SFTExample, warm_start
+
+    monkeypatch.setenv("MAPPA_CACHE_DIR", str(tmp_path))
+    examples = [SFTExample(messages=[{"role": "user", "content": f"{i}+2?"}], reply=str(i + 2)) for i in range(4)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = warm_start(str(tiny_path), examples, steps=2, batch_size=2, progress=False)
+        torch.set_num_threads(2)
+        two = warm_start(str(tiny_path), examples, steps=2, batch_size=2, progress=False)
+    finally:
+        torch.set_num_threads(before)
+    assert one != two and one.parent == two.parent == tmp_path

@@ -20,6 +20,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _torch_threads_restored():
+    """Tests here compare against gloo ranks on one thread each and set it themselves: the modules that run
+    after this one get the count back (left at 1, it changed what a later test's warm start was built on)."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 def _config(out: Path):
     from mappa_graph.training.config import TrainConfig
     from mappa_graph.training.credit import RewardConfig

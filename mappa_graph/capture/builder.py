@@ -213,6 +213,12 @@ class EpisodeBuilder:
         path = node_path(ns, self.root_ns)
         outer_ns = enclosing_ns(ns)
         outer = self.node_by_ns.get(outer_ns) if outer_ns is not None else None
+        if outer is None and outer_ns is not None and parent_ns is not None:
+            # A subgraph compiled with checkpointer=True (its own memory on the thread) names its tasks under
+            # its node's name with no task id (`researcher|agent:<id>`): its task is the one its run started in.
+            enclosing = self.node_by_ns.get(parent_ns)
+            if enclosing is not None and node_path(parent_ns) == node_path(outer_ns):
+                outer = enclosing
         if outer is None and tool is not None and tool.task_ns is not None:
             # A graph a tool ran with a config of its own (its own thread_id) starts LangGraph's namespace
             # afresh: it still belongs under the task that ran the tool.

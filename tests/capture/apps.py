@@ -392,6 +392,54 @@ def subagent_tools_expected(n: int) -> list[tuple]:
             ("model", "model", "llm", f"final: research on facts task-{n} | prose for intro task-{n}", [])]
 
 
+# ---- workers that keep their own memory per thread (compiled with checkpointer=True) ------------------------------
+def memory_supervisor_app() -> Any:
+    """The supervisor team with workers compiled `checkpointer=True` (each keeps its own conversation on the
+    parent's thread): LangGraph names their tasks under the worker's name with no task id
+    (`researcher|agent:<id>`, not `researcher:<id>|agent:<id>`)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        workers = [create_react_agent(ScriptedChatModel(script=researcher_script), [search], name="researcher",
+                                      checkpointer=True),
+                   create_react_agent(ScriptedChatModel(script=math_script), [add], name="math_expert",
+                                      checkpointer=True)]
+    model = ScriptedChatModel(script=supervisor_script)
+    return create_supervisor(workers, model=model, prompt="You route the task.").compile(checkpointer=InMemorySaver())
+
+
+def memory_retry_app() -> Any:
+    """A retried node that runs a react agent compiled `checkpointer=True`: the agent's call in the failed
+    attempt is that attempt's, and the retry's is attempt 2 (LangGraph drops the failed attempt's writes, the
+    agent's memory of it included, so both calls see one message)."""
+    failed: set[str] = set()
+    briefer = ScriptedChatModel(script=lambda m: AIMessage(f"brief for {m[-1].content}"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        helper = create_react_agent(
+            ScriptedChatModel(script=lambda m: AIMessage(f"answer {len(m)} to {m[-1].content}")), [], name="helper",
+            checkpointer=True)
+
+    def team(state: RunsState) -> dict:
+        review = helper.invoke({"messages": [HumanMessage(state["task"])]})["messages"][-1].content
+        fail_once(failed, state["task"], "the reviewer timed out")
+        return {"review": review}
+
+    brief = ("brief", lambda s: {"brief": briefer.invoke([HumanMessage(s["task"])]).content})
+    graph = StateGraph(RunsState)
+    graph.add_node(*brief)
+    graph.add_node("team", team, retry_policy=RetryPolicy(max_attempts=2, initial_interval=0.0, jitter=False))
+    graph.add_edge(START, "brief")
+    graph.add_edge("brief", "team")
+    graph.add_edge("team", END)
+    return graph.compile(checkpointer=InMemorySaver())
+
+
+def memory_retry_expected(n: int) -> list[tuple]:
+    return [("brief", "brief", "llm", f"brief for task-{n}", []),
+            ("team", "team/agent", "llm", f"answer 1 to task-{n}", [], 1, "error"),
+            ("team", "team/agent", "llm", f"answer 1 to task-{n}", [], 2, "ok")]
+
+
 def message_input(n: int) -> dict:
     return {"messages": [HumanMessage(f"solve task-{n}")]}
 
@@ -409,4 +457,9 @@ APPS: dict[str, tuple[Callable[[], Any], Callable[[int], dict], Callable[[int], 
     "repeated_runs": (repeated_runs_app, task_input, repeated_runs_expected),
     "functional": (functional_app, task_input, functional_expected),
     "subagent_tools": (subagent_tools_app, message_input, subagent_tools_expected),
+    "memory_supervisor": (memory_supervisor_app, message_input, supervisor_expected),
+    "memory_retry": (memory_retry_app, task_input, memory_retry_expected),
 }
+
+# apps compiled with a checkpointer: each call runs on a thread of its own
+THREADED = frozenset({"interrupt", "memory_supervisor", "memory_retry"})

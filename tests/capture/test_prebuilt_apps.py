@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from mappa_graph import TraceStore, instrument
 from mappa_graph.judging.llm_prompt import build_prompt
 from mappa_graph.messages import content_text
-from tests.capture.apps import APPS, interrupt_app, retry_app, supervisor_app, task_input
+from tests.capture.apps import APPS, THREADED, interrupt_app, retry_app, supervisor_app, task_input
 
 pytestmark = pytest.mark.filterwarnings("ignore::langgraph.warnings.LangGraphDeprecatedSinceV10")
 
@@ -41,7 +41,7 @@ def norm(x: Any) -> Any:
 
 
 def config(name: str, n: int) -> dict:
-    return {"configurable": {"thread_id": f"{name}-{n}"}} if name == "interrupt" else {}
+    return {"configurable": {"thread_id": f"{name}-{n}"}} if name in THREADED else {}
 
 
 def run_style(graph: Any, name: str, style: str, ns: list[int]) -> list[Any]:

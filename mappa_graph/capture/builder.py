@@ -519,6 +519,10 @@ class EpisodeBuilder:
         if action is None:
             return
         action.latency_s = at - action.started_at
+        self._reply(action, response)
+
+    def _reply(self, action: Action, response: Any) -> None:
+        """What the model said: its message, tool calls and token record."""
         generations = response.generations[0] if response.generations else []
         if not generations:
             return
@@ -535,11 +539,18 @@ class EpisodeBuilder:
                 self.call_owner_in["graph", _graph_ns(action.checkpoint_ns), call["id"]] = action
         copy_token_record(action, getattr(message, "response_metadata", None) or {})
 
-    def _llm_error(self, run_id: int, parent: Any, meta: Any, error: Raised, at: float, _: Any) -> None:
+    def _llm_error(self, run_id: int, parent: Any, meta: Any, error: Raised, at: float, response: Any) -> None:
         action = self.llm_by_run.get(run_id, (None, None))[0]
         if action is not None:
             action.status, action.error = "error", _describe(error)
             action.latency_s = at - action.started_at
+            # A stream the node stopped reading (or that failed part way) said something first: that part is
+            # what the app used, so the judge sees it; the call stays failed, so it trains only if asked.
+            if response is not None and response.generations and response.generations[0]:
+                partial = response.generations[0][0]
+                if getattr(getattr(partial, "message", None), "content", None) or getattr(
+                        getattr(partial, "message", None), "tool_calls", None):
+                    self._reply(action, response)
 
     # ---- tool calls -----------------------------------------------------------------------------------------
     def _tool_start(self, run_id: int, parent: Any, meta: Mapping[str, Any], _input: Any, at: float,

@@ -18,10 +18,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar, Token
 from typing import Any, Protocol
 from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.tracers.context import register_configure_hook
 
 from ..traces import Episode
 from .builder import EpisodeBuilder, Event, Raised
@@ -29,6 +31,14 @@ from .courtesy import gc_paused
 from .paths import AgentResolver, AgentsSpec
 
 log = logging.getLogger(__name__)
+
+# The collector of the call running in this context. A node that calls a model or a chain with callbacks of its
+# own (`model.invoke(x, config={"callbacks": [my_handler]})`, `agent.invoke(x, config={"callbacks": []})`)
+# replaces what it inherited, this collector among them; langchain-core adds the handler a configure hook's
+# variable holds to every callback manager configured in its context (LangSmith's tracer rides the same way),
+# so those calls still reach the collector, which puts them under the node task that made them.
+_CALL_COLLECTOR: ContextVar[BaseCallbackHandler | None] = ContextVar("mappa_call_collector", default=None)
+register_configure_hook(_CALL_COLLECTOR, inheritable=True)
 
 
 class Pending(Protocol):
@@ -59,6 +69,9 @@ class TraceCollector(BaseCallbackHandler):
     the garbage collector paused, so it must not block, and returns what to run once the pause is over (the
     store write) or None. `paused_before`, given a thread's checkpoint where a run ended, names the nodes it
     goes on with if it stopped at a static breakpoint (the instrumented graph asks its graph's state).
+    `one_call=True` is a collector for a single call (the instrumented graph's): while that call runs, a model
+    call or chain a node makes with callbacks of its own still reaches it and joins the node task that made it;
+    a run that belongs to no task of the call is not recorded.
     """
 
     # Ordering matters (a node's start must be seen before its model call), so run in the caller's thread
@@ -84,8 +97,12 @@ class TraceCollector(BaseCallbackHandler):
         keep_episodes: bool = True,
         recorder: Callable[[Episode], Callable[[], None] | None] | None = None,
         paused_before: Callable[[dict[str, Any]], list[str]] | None = None,
+        one_call: bool = False,
     ) -> None:
         self.run = run
+        self.one_call = one_call
+        self._root_opened = False
+        self._context_token: Token[BaseCallbackHandler | None] | None = None
         self.recorder = recorder
         self.paused_before = paused_before
         self.keep_episodes = keep_episodes
@@ -115,7 +132,9 @@ class TraceCollector(BaseCallbackHandler):
         run, parent = run_id.int, parent_run_id.int if parent_run_id is not None else None
         events, extra = self._runs.get(parent), None
         if events is None:
-            events, extra = self._open_root(run, metadata, None)
+            events, parent, metadata, extra = self._orphan(run, metadata, None)
+            if events is None:
+                return
         self._runs[run] = events
         events.append(("chain_start", run, parent, metadata, inputs, time.time(), extra))
 
@@ -142,7 +161,9 @@ class TraceCollector(BaseCallbackHandler):
         run, parent = run_id.int, parent_run_id.int if parent_run_id is not None else None
         events, extra = self._runs.get(parent), kwargs.get("invocation_params")
         if events is None:
-            events, extra = self._open_root(run, metadata, extra)
+            events, parent, metadata, extra = self._orphan(run, metadata, extra)
+            if events is None:
+                return
         self._runs[run] = events
         events.append(("llm_start", run, parent, metadata, messages, time.time(), extra))
 
@@ -160,7 +181,8 @@ class TraceCollector(BaseCallbackHandler):
     def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
         events = self._runs.get(run_id.int)
         if events is not None:
-            events.append(("llm_error", run_id.int, None, None, Raised.of(error), time.time(), None))
+            # a stream cut short or failed part way reports what the model had said by then
+            events.append(("llm_error", run_id.int, None, None, Raised.of(error), time.time(), kwargs.get("response")))
 
     def on_tool_start(self, serialized: Any, input_str: str, *, run_id: UUID, parent_run_id: UUID | None = None,
                       metadata: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -168,7 +190,9 @@ class TraceCollector(BaseCallbackHandler):
         name = kwargs.get("name") or (serialized or {}).get("name") or "tool"
         events, extra = self._runs.get(parent), (name, kwargs.get("tool_call_id"))
         if events is None:
-            events, extra = self._open_root(run, metadata, extra)
+            events, parent, metadata, extra = self._orphan(run, metadata, extra)
+            if events is None:
+                return
         self._runs[run] = events
         events.append(("tool_start", run, parent, metadata, input_str, time.time(), extra))
 
@@ -181,6 +205,38 @@ class TraceCollector(BaseCallbackHandler):
         events = self._runs.get(run_id.int)
         if events is not None:
             events.append(("tool_error", run_id.int, None, None, Raised.of(error), time.time(), None))
+
+    def _orphan(self, run: int, metadata: Mapping[str, Any] | None,
+                extra: Any) -> tuple[list[Event] | None, int | None, Mapping[str, Any] | None, Any]:
+        """A run whose parent this collector has not seen: the events it goes in, its parent, metadata and
+        start extra. It starts an episode, except in a one-call collector once its call's root is open: then
+        a run a node task made with callbacks of its own (it came through the configure hook, with no parent
+        this collector knows) joins that task, as a run inside it, and any other is dropped (None)."""
+        if self.one_call:
+            if self._root_opened:
+                return self._inside_task(metadata, extra)
+            self._root_opened = True
+            self._context_token = _CALL_COLLECTOR.set(self)
+        events, extra = self._open_root(run, metadata, extra)
+        return events, None, metadata, extra
+
+    def _inside_task(self, metadata: Mapping[str, Any] | None,
+                     extra: Any) -> tuple[list[Event] | None, int | None, Mapping[str, Any] | None, Any]:
+        """The open node task a parentless run was made in, found by its checkpoint namespace (its metadata's,
+        or, when the caller replaced the metadata, the one LangGraph left in the config), the latest attempt
+        first. Rare (a model called with callbacks of its own), so it reads the open events instead of keeping
+        an index on every callback."""
+        metadata = metadata or {}
+        ns = metadata.get("langgraph_checkpoint_ns") or metadata.get("checkpoint_ns")
+        if not ns:
+            return None, None, None, extra
+        for events in {id(events): events for events in self._runs.values()}.values():
+            for event in reversed(events):
+                if event[0] == "chain_start" and event[3] and event[3].get("langgraph_checkpoint_ns") == ns:
+                    if metadata.get("langgraph_checkpoint_ns") != ns:  # the builder reads the task's namespace
+                        metadata = {**event[3], **metadata, "langgraph_checkpoint_ns": ns}
+                    return events, event[1], metadata, extra
+        return None, None, None, extra
 
     def _open_root(self, run: int, metadata: Mapping[str, Any] | None, extra: Any) -> tuple[list[Event], Any]:
         """A run whose parent this collector has not seen starts an episode: a new event list, and on a thread
@@ -202,6 +258,12 @@ class TraceCollector(BaseCallbackHandler):
             if self.paused_before is not None and extra["checkpoint_id"] and kind == "chain_end":
                 extra["paused_before"] = self.paused_before({**thread, "checkpoint_id": extra["checkpoint_id"]})
         events.append((kind, run, None, None, payload, time.time(), extra))
+        if self._context_token is not None:
+            token, self._context_token = self._context_token, None
+            try:
+                _CALL_COLLECTOR.reset(token)
+            except ValueError:  # the call ended in another context than it started in: that one ends with it
+                pass
         runs = self._runs
         for event in events:
             runs.pop(event[1], None)

@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable
 from typing import Annotated, Any, TypedDict
 
+from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
@@ -440,6 +441,56 @@ def memory_retry_expected(n: int) -> list[tuple]:
             ("team", "team/agent", "llm", f"answer 1 to task-{n}", [], 2, "ok")]
 
 
+# ---- nodes that call models with callbacks of their own ---------------------------------------------------------
+class CountingHandler(BaseCallbackHandler):
+    """A user's own tracer, passed per call: `model.invoke(x, config={"callbacks": [handler]})` replaces the
+    callbacks the node inherited (LangGraph's and the instrumented graph's) with the user's."""
+
+    def __init__(self) -> None:
+        self.model_calls = 0
+
+    def on_chat_model_start(self, *args: Any, **kwargs: Any) -> None:
+        self.model_calls += 1
+
+
+def own_callbacks_app() -> Any:
+    """`write` passes its own handler, `review` runs a react agent with `callbacks: []`, `edit` passes its own
+    handler and metadata: none of them hands the node's callbacks on."""
+    handler = CountingHandler()
+    writer = ScriptedChatModel(script=lambda m: AIMessage(f"draft for {m[-1].content}"))
+    editor = ScriptedChatModel(script=lambda m: AIMessage(f"edited {m[-1].content}"))
+    reviewer = react_agent("reviewer", lambda m: AIMessage(f"review of {m[-1].content}"), [])
+
+    def write(state: RunsState) -> dict:
+        return {"draft": writer.invoke([HumanMessage(state["task"])], config={"callbacks": [handler]}).content}
+
+    def review(state: RunsState) -> dict:
+        out = reviewer.invoke({"messages": [HumanMessage(state["draft"])]}, config={"callbacks": []})
+        return {"review": out["messages"][-1].content}
+
+    def edit(state: RunsState) -> dict:
+        reply = editor.invoke([HumanMessage(state["review"])], config={"callbacks": [handler],
+                                                                        "metadata": {"team": "docs"}})
+        return {"brief": reply.content}
+
+    graph = StateGraph(RunsState)
+    for name, fn in (("write", write), ("review", review), ("edit", edit)):
+        graph.add_node(name, fn)
+    graph.add_edge(START, "write")
+    graph.add_edge("write", "review")
+    graph.add_edge("review", "edit")
+    graph.add_edge("edit", END)
+    compiled = graph.compile()
+    compiled.handler = handler  # type: ignore[attr-defined]  # for tests that check the user's tracer still sees
+    return compiled
+
+
+def own_callbacks_expected(n: int) -> list[tuple]:
+    return [("write", "write", "llm", f"draft for task-{n}", []),
+            ("review", "review/agent", "llm", f"review of draft for task-{n}", []),
+            ("edit", "edit", "llm", f"edited review of draft for task-{n}", [])]
+
+
 def message_input(n: int) -> dict:
     return {"messages": [HumanMessage(f"solve task-{n}")]}
 
@@ -459,6 +510,7 @@ APPS: dict[str, tuple[Callable[[], Any], Callable[[int], dict], Callable[[int], 
     "subagent_tools": (subagent_tools_app, message_input, subagent_tools_expected),
     "memory_supervisor": (memory_supervisor_app, message_input, supervisor_expected),
     "memory_retry": (memory_retry_app, task_input, memory_retry_expected),
+    "own_callbacks": (own_callbacks_app, task_input, own_callbacks_expected),
 }
 
 # apps compiled with a checkpointer: each call runs on a thread of its own

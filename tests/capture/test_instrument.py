@@ -497,3 +497,80 @@ def test_a_call_that_stops_at_a_static_breakpoint_is_a_paused_episode(where: str
     assert (done.status, "paused_before" in done.metadata, [a.node for a in done.actions]) == ("ok", False, ["b"])
     joined = join_episodes([paused, done])
     assert (joined.status, "paused_before" in joined.metadata, [a.node for a in joined.actions]) == ("ok", False, ["a", "b"])
+
+
+def test_a_model_stream_a_node_stops_reading_keeps_what_the_model_said() -> None:
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langgraph.graph import END, START, StateGraph
+    from typing_extensions import TypedDict
+
+    from tests.fakes import ScriptedChatModel
+
+    class State(TypedDict, total=False):
+        task: str
+        head: str
+
+    class Streaming(ScriptedChatModel):
+        def _stream(self, messages, stop=None, run_manager=None, **kwargs):  # type: ignore[override]
+            from langchain_core.outputs import ChatGenerationChunk
+            from langchain_core.messages import AIMessageChunk
+
+            for word in self.script(messages).content.split():
+                yield ChatGenerationChunk(message=AIMessageChunk(content=word + " "))
+
+    model = Streaming(script=lambda m: AIMessage(f"ANSWER 42 then a long tail for {m[-1].content}"))
+
+    def head(state: State) -> dict:
+        said = ""
+        for chunk in model.stream([HumanMessage(state["task"])]):
+            said += chunk.content
+            if "42" in said:
+                break  # the node has what it needs
+        return {"head": said}
+
+    graph = StateGraph(State)
+    graph.add_node("head", head)
+    graph.add_edge(START, "head")
+    graph.add_edge("head", END)
+    app = instrument(graph.compile())
+    assert app.invoke({"task": "task-1"}) == {"task": "task-1", "head": "ANSWER 42 "}
+    [call] = app.last_episode.actions
+    assert call.kind == "llm" and call.output_text == "ANSWER 42 "
+    assert call.status == "error" and call.error.startswith("cut short")  # not trained as a whole reply
+
+
+def test_models_a_node_calls_on_threads_of_its_own_are_recorded_with_the_context_or_config_passed() -> None:
+    """What the README says to do when a node calls models on threads it starts: a bare thread has no
+    LangChain context (the call is not seen), ContextThreadPoolExecutor or the node's config passed on does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langchain_core.runnables import RunnableConfig
+    from langchain_core.runnables.config import ContextThreadPoolExecutor
+    from langgraph.graph import END, START, StateGraph
+    from typing_extensions import TypedDict
+
+    from tests.fakes import ScriptedChatModel
+
+    class State(TypedDict, total=False):
+        task: str
+        said: list[str]
+
+    model = ScriptedChatModel(script=lambda m: AIMessage(f"on {m[-1].content}"))
+
+    def fan(state: State, config: RunnableConfig) -> dict:
+        with ContextThreadPoolExecutor(2) as pool:
+            a = pool.submit(model.invoke, [HumanMessage("context")]).result().content
+        with ThreadPoolExecutor(2) as pool:
+            b = pool.submit(model.invoke, [HumanMessage("config")], config).result().content
+            c = pool.submit(model.invoke, [HumanMessage("bare")]).result().content
+        return {"said": [a, b, c]}
+
+    graph = StateGraph(State)
+    graph.add_node("fan", fan)
+    graph.add_edge(START, "fan")
+    graph.add_edge("fan", END)
+    app = instrument(graph.compile())
+    assert app.invoke({"task": "t"})["said"] == ["on context", "on config", "on bare"]
+    assert [(a.node, a.output_text) for a in app.last_episode.actions] == [("fan", "on context"),
+                                                                          ("fan", "on config")]

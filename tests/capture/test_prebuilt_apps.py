@@ -577,3 +577,33 @@ def test_a_tool_that_pauses_asking_nothing_is_still_a_pause() -> None:
     assert "paused in interrupt() for human input" in build_prompt(paused, paused.actions[0]).messages[1].content
     asked = join_episodes([paused, resumed]).actions[0]
     assert [(r.paused, r.output) for r in asked.tool_results] == [(True, ""), (False, "sent to bob")]
+
+
+def test_a_model_called_with_its_own_callbacks_is_recorded_and_its_handler_still_sees_it() -> None:
+    from tests.capture.apps import own_callbacks_app
+
+    graph = own_callbacks_app()
+    app = instrument(graph)
+    app.invoke({"task": "task-3"})
+    assert graph.handler.model_calls == 2  # the user's tracer keeps its calls (write, edit)
+    [episode] = app.episodes
+    assert [(a.node, a.kind) for a in episode.actions] == [("write", "llm"), ("agent", "llm"), ("edit", "llm")]
+    assert episode.actions[0].input_messages[-1]["content"] == "task-3"
+
+
+def test_model_calls_a_stream_consumer_makes_between_chunks_are_not_the_calls() -> None:
+    from langchain_core.messages import AIMessage
+
+    from tests.capture.apps import own_callbacks_app
+    from tests.fakes import ScriptedChatModel
+
+    app = instrument(own_callbacks_app())
+    aside = ScriptedChatModel(script=lambda m: AIMessage("aside"))
+    for _ in app.stream({"task": "task-4"}):
+        aside.invoke("what is going on?", config={"callbacks": []})
+        aside.invoke("and now?")
+    [episode] = app.episodes
+    assert [a.output_text for a in episode.actions] == [
+        "draft for task-4", "review of draft for task-4", "edited review of draft for task-4"]
+    aside.invoke("after the call")
+    assert len(app.episodes) == 1

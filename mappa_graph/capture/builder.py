@@ -507,6 +507,8 @@ class EpisodeBuilder:
             parent_id=node_run.action.parent_id if node_run else None,
             input_messages=_prompt_messages(messages[0], self._message) if messages else [],
             model=params.get("model") or params.get("model_name") or meta.get("ls_model_name"),
+            # what the app asked for; a backend's token record, when there is one, says what it sampled at
+            temperature=_temperature(params.get("temperature", meta.get("ls_temperature"))),
             started_at=at,
         )
         self.llm_by_run[run_id] = (action, key)
@@ -682,6 +684,14 @@ def _shows_status(node_run: _NodeRun, status: str) -> bool:
     (a retried attempt's error inside a task that then paused does not say it paused)."""
     return any(a.status == status for a in node_run.llm_actions) or any(
         child.action.status == status or _shows_status(child, status) for child in node_run.children)
+
+
+def _temperature(value: Any) -> float | None:
+    """A temperature from a model's invocation parameters, if it is a number (a provider's own types aside)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if value >= 0 and value == value and value != float("inf") else None
 
 
 def copy_token_record(action: Action, response_metadata: Mapping[str, Any]) -> None:

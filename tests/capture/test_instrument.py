@@ -574,3 +574,26 @@ def test_models_a_node_calls_on_threads_of_its_own_are_recorded_with_the_context
     assert app.invoke({"task": "t"})["said"] == ["on context", "on config", "on bare"]
     assert [(a.node, a.output_text) for a in app.last_episode.actions] == [("fan", "on context"),
                                                                           ("fan", "on config")]
+
+
+def test_the_temperature_an_app_asks_of_a_model_is_recorded_without_a_token_record() -> None:
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langgraph.graph import END, START, StateGraph
+    from typing_extensions import TypedDict
+
+    from tests.fakes import ScriptedChatModel
+
+    class State(TypedDict, total=False):
+        task: str
+        out: str
+
+    model = ScriptedChatModel(script=lambda m: AIMessage("ok"))
+    graph = StateGraph(State)
+    graph.add_node("hot", lambda s: {"out": model.bind(temperature=0.7).invoke([HumanMessage(s["task"])]).content})
+    graph.add_node("cold", lambda s: {"out": model.invoke([HumanMessage(s["task"])]).content})
+    graph.add_edge(START, "hot")
+    graph.add_edge("hot", "cold")
+    graph.add_edge("cold", END)
+    app = instrument(graph.compile())
+    app.invoke({"task": "t"})
+    assert [(a.node, a.temperature) for a in app.last_episode.actions] == [("hot", 0.7), ("cold", None)]

@@ -58,12 +58,23 @@ class TraceStore:
         self._lock = threading.RLock()
         # another process writing a long batch holds the write lock for seconds: wait for it, not 5 s only
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=120)
-        self._refuse_foreign()
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.executescript(_SCHEMA)  # idempotent DDL; executescript commits on its own
+        try:
+            self._create()
+        except BaseException:
+            self._db.close()
+            raise
+        self._closed = False
+        self._writers: list[weakref.WeakMethod[Callable[[], None]]] = []
+
+    def _create(self) -> None:
+        """One write transaction makes the schema and its version row: processes opening a new file together
+        (rollout workers of one run) each see either nothing or the whole store, never tables without their
+        version, which is what another application's database looks like."""
         with self._tx():
+            self._refuse_foreign()
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    self._db.execute(statement)
             row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
                 self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
@@ -72,8 +83,9 @@ class TraceStore:
                     f"trace store {self.path} has schema version {row[0]}, newer than this mappa_graph "
                     f"({SCHEMA_VERSION}): upgrade mappa-graph to read it"
                 )
-        self._closed = False
-        self._writers: list[weakref.WeakMethod[Callable[[], None]]] = []
+        self._db.execute("PRAGMA journal_mode=WAL")  # after the check: a foreign file is left as it was
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA foreign_keys=ON")
 
     def _refuse_foreign(self) -> None:
         """Another application's database is refused before anything is written to it (opening it used to add
@@ -88,7 +100,6 @@ class TraceStore:
         except (sqlite3.Error, ValueError, TypeError):
             version = None
         if version is None:
-            self._db.close()
             raise ValueError(f"{self.path} is an SQLite database but not a mappa_graph trace store (its tables: "
                              f"{', '.join(sorted(tables)[:8])}); nothing was changed: pass the path of a trace "
                              "store, or of a new file")

@@ -116,3 +116,35 @@ def test_another_applications_database_is_refused_unchanged(tmp_path) -> None:
     with pytest.raises(ValueError, match="is an SQLite database but not a mappa_graph trace store .*nothing was changed"):
         TraceStore(path)
     assert path.read_bytes() == before and not (tmp_path / "other.db-wal").exists()
+
+
+def _open_store(path: str, barrier, results) -> None:
+    barrier.wait()
+    try:
+        TraceStore(path).close()
+        results.put("ok")
+    except Exception as e:  # reported to the parent, which asserts on it
+        results.put(f"{type(e).__name__}: {e}")
+
+
+def test_processes_that_open_one_new_store_at_once_all_get_it(tmp_path) -> None:
+    """Rollout workers of one run open the same fresh file together: each used to see the others' half-made
+    schema (tables without their version row) and refuse it as another application's database."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    failures: list[str] = []
+    for trial in range(6):
+        path = str(tmp_path / f"s{trial}.db")
+        barrier, results = ctx.Barrier(4), ctx.Queue()
+        procs = [ctx.Process(target=_open_store, args=(path, barrier, results)) for _ in range(4)]
+        for p in procs:
+            p.start()
+        outcomes = [results.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join()
+        failures += [o for o in outcomes if o != "ok"]
+        store = TraceStore(path)
+        assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        store.close()
+    assert failures == []

@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from contextvars import ContextVar, Token
 from typing import Any, Protocol
 from uuid import UUID
@@ -36,9 +37,59 @@ log = logging.getLogger(__name__)
 # own (`model.invoke(x, config={"callbacks": [my_handler]})`, `agent.invoke(x, config={"callbacks": []})`)
 # replaces what it inherited, this collector among them; langchain-core adds the handler a configure hook's
 # variable holds to every callback manager configured in its context (LangSmith's tracer rides the same way),
-# so those calls still reach the collector, which puts them under the node task that made them.
+# so those calls still reach the collector, which puts them under the node task that made them. The instrumented
+# graph binds it for exactly the time its call computes (`bound`, and `bound_steps` around each step of a
+# stream): a caller holding several streams, or one abandoned part way, never lends a collector to another call.
 _CALL_COLLECTOR: ContextVar[BaseCallbackHandler | None] = ContextVar("mappa_call_collector", default=None)
 register_configure_hook(_CALL_COLLECTOR, inheritable=True)
+
+
+@contextmanager
+def bound(collector: BaseCallbackHandler) -> Iterator[None]:
+    """Make `collector` the one the configure hook adds while its call runs here, and no longer: a call that
+    raises, or ends in another call's context, leaves no collector behind for later calls to join."""
+    token = _CALL_COLLECTOR.set(collector)
+    try:
+        yield
+    finally:
+        _CALL_COLLECTOR.reset(token)
+
+
+def bound_steps(collector: BaseCallbackHandler, steps: Iterator[Any]) -> Iterator[Any]:
+    """A graph's stream with `collector` bound only while the graph computes a step, not while the caller holds
+    one: streams read in turn in one context (or one nested in another's node) each see their own collector,
+    and the caller's own model calls between chunks belong to no episode. Closing it closes the graph's stream
+    under the same binding, so the steps a stopped stream cancels still reach their episode."""
+    try:
+        while True:
+            with bound(collector):
+                try:
+                    step = next(steps)
+                except StopIteration:
+                    return
+            yield step
+    finally:
+        close = getattr(steps, "close", None)
+        if close is not None:
+            with bound(collector):
+                close()
+
+
+async def abound_steps(collector: BaseCallbackHandler, steps: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """`bound_steps` for an async stream (`astream`, `astream_events`)."""
+    try:
+        while True:
+            with bound(collector):
+                try:
+                    step = await steps.__anext__()
+                except StopAsyncIteration:
+                    return
+            yield step
+    finally:
+        aclose = getattr(steps, "aclose", None)
+        if aclose is not None:
+            with bound(collector):
+                await aclose()
 
 
 class Pending(Protocol):
@@ -216,7 +267,8 @@ class TraceCollector(BaseCallbackHandler):
             if self._root_opened:
                 return self._inside_task(metadata, extra)
             self._root_opened = True
-            self._context_token = _CALL_COLLECTOR.set(self)
+            if _CALL_COLLECTOR.get() is not self:  # a call not bound by the instrumented graph (stream_events)
+                self._context_token = _CALL_COLLECTOR.set(self)
         events, extra = self._open_root(run, metadata, extra)
         return events, None, metadata, extra
 
@@ -230,9 +282,13 @@ class TraceCollector(BaseCallbackHandler):
         ns = metadata.get("langgraph_checkpoint_ns") or metadata.get("checkpoint_ns")
         if not ns:
             return None, None, None, extra
-        for events in {id(events): events for events in self._runs.values()}.values():
+        # A copy: another thread of the call (a Send fan-out's workers) may open or close runs meanwhile.
+        for events in {id(events): events for events in list(self._runs.values())}.values():
             for event in reversed(events):
-                if event[0] == "chain_start" and event[3] and event[3].get("langgraph_checkpoint_ns") == ns:
+                # A root run is not a task: an instrumented graph called inside a node of another has the
+                # node's namespace, and the node's other runs (its consumer's own calls) are not the graph's.
+                if (event[0] == "chain_start" and event[2] is not None and event[3]
+                        and event[3].get("langgraph_checkpoint_ns") == ns):
                     if metadata.get("langgraph_checkpoint_ns") != ns:  # the builder reads the task's namespace
                         metadata = {**event[3], **metadata, "langgraph_checkpoint_ns": ns}
                     return events, event[1], metadata, extra

@@ -23,7 +23,7 @@ import queue
 import threading
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent.futures import Executor
 from contextlib import suppress
 from pathlib import Path
@@ -33,7 +33,7 @@ from langchain_core.callbacks import BaseCallbackManager
 from langchain_core.runnables import Runnable, RunnableConfig
 
 from ..traces import Episode
-from .collector import TraceCollector
+from .collector import TraceCollector, abound_steps, bound, bound_steps
 from .courtesy import mark_background
 from .paths import AgentResolver, AgentsSpec
 from .store import TraceStore
@@ -390,48 +390,34 @@ class InstrumentedGraph(Runnable[Any, Any]):
 
     # ---- the Runnable interface ---------------------------------------------------------------------
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
-        cfg, _ = self._config(config, call_kwargs=kwargs)
-        return self.graph.invoke(input, cfg, **kwargs)
+        cfg, collector = self._config(config, call_kwargs=kwargs)
+        with bound(collector):
+            return self.graph.invoke(input, cfg, **kwargs)
 
     async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
-        cfg, _ = self._config(config, call_kwargs=kwargs)
-        return await self.graph.ainvoke(input, cfg, **kwargs)
+        cfg, collector = self._config(config, call_kwargs=kwargs)
+        with bound(collector):
+            return await self.graph.ainvoke(input, cfg, **kwargs)
 
     def stream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[Any]:
-        cfg, _ = self._config(config, call_kwargs=kwargs)
-        yield from self.graph.stream(input, cfg, **kwargs)
+        cfg, collector = self._config(config, call_kwargs=kwargs)
+        return bound_steps(collector, self.graph.stream(input, cfg, **kwargs))
 
-    async def astream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> AsyncIterator[Any]:
-        cfg, _ = self._config(config, call_kwargs=kwargs)
-        async for chunk in self.graph.astream(input, cfg, **kwargs):
-            yield chunk
+    def astream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> AsyncIterator[Any]:
+        cfg, collector = self._config(config, call_kwargs=kwargs)
+        return abound_steps(collector, self.graph.astream(input, cfg, **kwargs))
 
     def astream_events(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         """The graph's own event stream (any `version`), recorded like `astream`."""
-        cfg, _ = self._config(config, call_kwargs=kwargs)
-        return self.graph.astream_events(input, cfg, **kwargs)
+        cfg, collector = self._config(config, call_kwargs=kwargs)
+        return abound_steps(collector, self.graph.astream_events(input, cfg, **kwargs))
 
     def stream_events(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         cfg, _ = self._config(config, call_kwargs=kwargs)
         return self.graph.stream_events(input, cfg, **kwargs)
 
-    def _batch_configs(self, inputs: Sequence[Any], config: RunnableConfig | Sequence[RunnableConfig] | None,
-                       call_kwargs: Mapping[str, Any]):
-        if config is None or isinstance(config, Mapping):
-            configs = [config] * len(inputs)
-        else:
-            configs = list(config)
-            if len(configs) != len(inputs):
-                raise ValueError(f"batch got {len(inputs)} inputs but {len(configs)} configs; pass one or the same number")
-        return [self._config(c, call_kwargs=call_kwargs)[0] for c in configs]
-
-    def batch(self, inputs: Sequence[Any], config: RunnableConfig | Sequence[RunnableConfig] | None = None, **kwargs: Any) -> list[Any]:
-        return self.graph.batch(list(inputs), self._batch_configs(inputs, config, kwargs), **kwargs)
-
-    async def abatch(
-        self, inputs: Sequence[Any], config: RunnableConfig | Sequence[RunnableConfig] | None = None, **kwargs: Any
-    ) -> list[Any]:
-        return await self.graph.abatch(list(inputs), self._batch_configs(inputs, config, kwargs), **kwargs)
+    # batch, abatch, batch_as_completed: Runnable's, as the graph's own are (LangGraph does not override them);
+    # each input then runs through invoke/ainvoke above, with a collector of its own bound in its own context.
 
     # ---- episodes with task context (what the trainer uses) ------------------------------------------
     def run_episode(
@@ -450,7 +436,8 @@ class InstrumentedGraph(Runnable[Any, Any]):
         """
         cfg, collector = self._config(config, task_id, reference, keep=True, call_kwargs=kwargs)
         try:
-            output = self.graph.invoke(input, cfg, **kwargs)
+            with bound(collector):
+                output = self.graph.invoke(input, cfg, **kwargs)
         finally:
             collector.wait()
         return output, collector.episodes.pop()  # not left where a handoff's cyclic garbage reaches it
@@ -466,7 +453,8 @@ class InstrumentedGraph(Runnable[Any, Any]):
     ) -> tuple[Any, Episode]:
         cfg, collector = self._config(config, task_id, reference, keep=True, call_kwargs=kwargs)
         try:
-            output = await self.graph.ainvoke(input, cfg, **kwargs)
+            with bound(collector):
+                output = await self.graph.ainvoke(input, cfg, **kwargs)
         finally:
             await asyncio.get_running_loop().run_in_executor(None, collector.wait)
         return output, collector.episodes.pop()

@@ -12,6 +12,7 @@ import json
 import re
 import sqlite3
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -83,9 +84,25 @@ class TraceStore:
                     f"trace store {self.path} has schema version {row[0]}, newer than this mappa_graph "
                     f"({SCHEMA_VERSION}): upgrade mappa-graph to read it"
                 )
-        self._db.execute("PRAGMA journal_mode=WAL")  # after the check: a foreign file is left as it was
+        self._set_wal()  # after the check: a foreign file is left as it was
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA foreign_keys=ON")
+
+    def _set_wal(self, patience_s: float = 120.0) -> None:
+        """Switch the file to WAL, waiting out the others: SQLite answers `database is locked` at once, without
+        its busy wait, when another process opening the same new file holds it for its own switch (1 in 240
+        openings of 4 processes at once)."""
+        deadline = time.monotonic() + patience_s
+        delay = 0.001
+        while True:
+            try:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
 
     def _refuse_foreign(self) -> None:
         """Another application's database is refused before anything is written to it (opening it used to add

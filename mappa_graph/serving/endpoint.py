@@ -36,7 +36,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Self
 from urllib.parse import quote
@@ -363,7 +363,8 @@ class PolicyEndpoint:
         from ..models.chat import assistant_reply, to_hf_messages
 
         policies = self.policies
-        tools = payload.get("tools") or None
+        # tool_choice "none": the model is not to call a tool, so it is not shown any
+        tools = (payload.get("tools") or None) if payload.get("tool_choice") != "none" else None
         try:
             prompt_ids = policies.render(to_hf_messages(messages), tools=tools)
         except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages is the request's fault
@@ -566,6 +567,7 @@ def _sampling(payload: Mapping[str, Any], default_max_tokens: int, max_tokens_li
     for key in ("messages", "tools"):
         if payload.get(key) is not None and not isinstance(payload[key], list):
             raise bad(key, "must be a list")
+    _check_tools(payload, bad)
     for key in ("stream", "logprobs"):
         if payload.get(key) is not None and not isinstance(payload[key], bool):
             raise bad(key, f"must be true or false, got {payload[key]!r:.100}")
@@ -579,6 +581,31 @@ def _sampling(payload: Mapping[str, Any], default_max_tokens: int, max_tokens_li
         raise bad("stream_options", f"must be an object such as {{\"include_usage\": true}}, got {options!r:.100}")
     return {"max_tokens": max_tokens, "temperature": float(temperature), "greedy": temperature == 0,
             "top_logprobs": top_logprobs, "logprobs": bool(payload.get("logprobs")), "seed": seed, "stop": stop}
+
+
+_FORCED_TOOLS = ("{value} makes vLLM decode the reply under a grammar (constrained decoding): its tokens come from "
+                 "a masked distribution and would be trained as if sampled from the model itself, and the local "
+                 "path cannot force it")
+
+
+def _check_tools(payload: Mapping[str, Any], bad: Callable[[str, str], RouteError]) -> None:
+    """Tools are offered, never forced: a required or named `tool_choice` (`bind_tools(tool_choice="any")`,
+    `with_structured_output(method="function_calling")`) or a `strict` tool is refused like `response_format`."""
+    choice = payload.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none"):
+        if choice == "required" or isinstance(choice, dict):
+            raise bad("tool_choice", _FORCED_TOOLS.format(value=f"tool_choice {choice!r:.100}") +
+                      ": send 'auto' (or leave it out) and prompt the agent to call the tool, or parse its text "
+                      "reply (a langchain output parser) for structured output")
+        raise bad("tool_choice", f"must be 'auto' or 'none', got {choice!r:.100}")
+    for tool in payload.get("tools") or []:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad("tools", f"each tool must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, "
+                      f"got {tool!r:.100}")
+        if function.get("strict"):
+            raise bad("tools", _FORCED_TOOLS.format(value=f"tool {function['name']!r:.60} with strict: true") +
+                      ": leave strict out (bind_tools(..., strict=None))")
 
 
 def _call_sampling(settings: dict[str, Any], call: PendingCall | None) -> tuple[bool, int | None]:

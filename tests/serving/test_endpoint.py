@@ -364,6 +364,47 @@ def test_sampling_other_than_temperature_is_refused_and_never_forwarded(endpoint
         "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "temperature": 1.0}
 
 
+_TOOL = {"type": "function", "function": {"name": "lookup", "description": "look a word up",
+                                          "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tool_choice": "required"}, "tool_choice"),  # bind_tools(tool_choice="any")
+    ({"tool_choice": {"type": "function", "function": {"name": "lookup"}}}, "tool_choice"),  # with_structured_output
+    ({"tool_choice": 7}, "tool_choice"),
+    ({"tools": [{**_TOOL, "function": {**_TOOL["function"], "strict": True}}]}, "tools"),
+    ({"tools": ["lookup"]}, "tools"),
+])
+def test_forced_or_strict_tool_calls_are_refused_as_constrained_decoding(endpoint, extra, param):
+    """vLLM serves a required or named tool_choice, and strict tools, by constrained decoding: the tokens come
+    from a masked distribution and would be trained as if sampled from the model; the local path ignored them
+    and the app did not get the tool call it forced. Both are refused, naming the field and what to send."""
+    body = {"model": "writer", "messages": [{"role": "user", "content": "hello"}], "tools": [_TOOL], **extra}
+    reply = httpx.post(f"{endpoint.base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["code"] == "invalid_value", error
+    if param == "tool_choice" and extra["tool_choice"] != 7:
+        assert "constrained decoding" in error["message"] and "'auto'" in error["message"], error
+
+
+def test_tool_choice_none_renders_no_tools_and_auto_renders_them(endpoint):
+    """`tool_choice: "none"` says the model is not to call a tool: the local path renders the prompt without
+    them (the tokens the model is trained on are the ones it saw), `auto` and no choice with them."""
+    hello = {"model": "writer", "messages": [{"role": "user", "content": "hello"}], "return_token_ids": True,
+             "max_tokens": 1, "temperature": 0}
+
+    def prompt_ids(**extra):
+        reply = httpx.post(f"{endpoint.base_url}/chat/completions", json={**hello, **extra},
+                           headers={"Authorization": f"Bearer {KEY}"})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["prompt_token_ids"]
+
+    bare = prompt_ids()
+    assert prompt_ids(tools=[_TOOL], tool_choice="none") == bare
+    assert prompt_ids(tools=[_TOOL], tool_choice="auto") == prompt_ids(tools=[_TOOL]) != bare
+
+
 def test_an_agent_named_in_any_script_is_served(tiny_path, one_torch_thread):
     policies = AgentPolicies.from_pretrained(str(tiny_path), ["研究员"])
     with PolicyEndpoint(policies, max_tokens=2) as endpoint:

@@ -164,6 +164,8 @@ class TraceCollector(BaseCallbackHandler):
         self.on_episode = on_episode
         self.episode_defaults = dict(episode_defaults or {})
         self.executor = executor
+        self._gate = getattr(executor, "gate", None)  # the instrumented graph's writer works during model calls
+        self._models = 0  # this call's model calls in flight, counted in the gate too
         self.episodes: list[Episode] = []
         # Every open run's root event list, keyed by `UUID.int`: hashing an int is C, hashing a UUID is a
         # Python call, and this lookup runs on every callback. The events carry the ints too.
@@ -217,6 +219,12 @@ class TraceCollector(BaseCallbackHandler):
                 return
         self._runs[run] = events
         events.append(("llm_start", run, parent, metadata, messages, time.time(), extra))
+        gate = self._gate
+        if gate is not None:  # the graph now waits for the model: the writer's turn
+            self._models += 1
+            gate.models += 1
+            if gate.waiting:
+                gate.open()
 
     def on_llm_start(self, serialized: Any, prompts: list[str], **kwargs: Any) -> None:
         """A completion-style model (a langchain-core BaseLLM): its prompt strings are recorded as a chat
@@ -228,12 +236,18 @@ class TraceCollector(BaseCallbackHandler):
         events = self._runs.get(run_id.int)
         if events is not None:
             events.append(("llm_end", run_id.int, None, None, response, time.time(), None))
+            if self._models:
+                self._models -= 1
+                self._gate.models -= 1  # type: ignore[union-attr]  # counted only with a gate
 
     def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
         events = self._runs.get(run_id.int)
         if events is not None:
             # a stream cut short or failed part way reports what the model had said by then
             events.append(("llm_error", run_id.int, None, None, Raised.of(error), time.time(), kwargs.get("response")))
+            if self._models:
+                self._models -= 1
+                self._gate.models -= 1  # type: ignore[union-attr]  # counted only with a gate
 
     def on_tool_start(self, serialized: Any, input_str: str, *, run_id: UUID, parent_run_id: UUID | None = None,
                       metadata: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -314,6 +328,9 @@ class TraceCollector(BaseCallbackHandler):
             if self.paused_before is not None and extra["checkpoint_id"] and kind == "chain_end":
                 extra["paused_before"] = self.paused_before({**thread, "checkpoint_id": extra["checkpoint_id"]})
         events.append((kind, run, None, None, payload, time.time(), extra))
+        if self._models:  # a model run that never reported its end (a stream left unread) is over with its call
+            self._gate.models -= self._models  # type: ignore[union-attr]  # counted only with a gate
+            self._models = 0
         if self._context_token is not None:
             token, self._context_token = self._context_token, None
             try:
@@ -367,6 +384,8 @@ class TraceCollector(BaseCallbackHandler):
             del episode
         try:
             if after is not None:
+                if self._gate is not None:
+                    self._gate.pause()  # the store write, too, waits for a model call (see ModelGate)
                 after()
         finally:  # a failed store write is raised (by flush), and the user's hook still gets the episode
             if handed_on is not None:

@@ -1,5 +1,5 @@
-"""The trace writer's courtesy to the graph: give the GIL back every few steps of background work, and do not
-let the garbage collector promote what a build makes and drops.
+"""The trace writer's courtesy to the graph: do its work while the graph waits for a model, give the GIL back
+every few steps of it, and do not let the garbage collector promote what a build makes and drops.
 
 An instrumented graph builds and stores its episodes on a worker thread so that the work overlaps the graph's
 waits (model calls, tools). But a worker thread running pure Python keeps the GIL until the interpreter's switch
@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 _local = threading.local()
 
@@ -30,6 +30,73 @@ def yield_gil() -> None:
     """On a trace worker, release the GIL for a moment (a thread waiting for it takes it); elsewhere, nothing."""
     if getattr(_local, "background", False):
         time.sleep(0)
+
+
+class ModelGate:
+    """When a trace writer may work: while the graph waits for a model.
+
+    A writer's work is pure Python that keeps the GIL, so what it does while the graph's thread has work of its
+    own makes that thread wait: each time the graph lets the GIL go for a moment (a thread-pool hand-off, a
+    lock, a checkpoint write) and wants it back, it waited for the writer's next yield. Measured in place on the
+    3-node benchmark graph, a job took 0.8 ms of CPU (0.6 the build) and 1.1 ms of wall time with the in-memory
+    store, and 1.2 ms of CPU over 4 ms with SQLite: the writer's work spread over the graph's own. A model call
+    is the long wait of an agent's run, so the collectors count the model calls in flight (`models`, plain
+    attribute updates on the graph's thread; `open()` only when the writer waits), and the writer starts a job
+    at the gate (`wait`) and goes on to its store write (`pause`) while a model call is in flight. It waits for
+    one to start for `patience` seconds at most per job (a graph that calls no model, or has long code between
+    its calls, still has its episodes stored), and not at all while someone waits for a job (`hurried()`:
+    flush, the store's reads, `run_episode`, exit) or while several calls run at once keep a model busy.
+
+    Scheduling only: a count gone wrong (a model run that never ended) makes the writer wait less or more,
+    never lose or reorder a job. Nor does it wait inside the build's pause of the garbage collector."""
+
+    __slots__ = ("_open", "_lock", "_hurry", "_deadline", "patience", "waiting", "models")
+
+    def __init__(self, patience: float = 0.1) -> None:
+        self._open = threading.Lock()
+        self._open.acquire()  # held while closed: open() releases it, the writer's next wait takes it again
+        self._lock = threading.Lock()
+        self._hurry = 0  # threads waiting for a job right now
+        self._deadline = 0.0  # the current job waits at the gate until then at most
+        self.patience = patience
+        self.waiting = False  # the writer waits at the gate: the next model call to start opens it
+        self.models = 0  # model calls in flight in this writer's calls
+
+    def wait(self) -> None:
+        """The writer, with a new job: return once a model call is in flight, hurried, or after `patience`."""
+        self._deadline = time.monotonic() + self.patience
+        self.pause()
+
+    def pause(self) -> None:
+        """The writer, between two parts of a job: wait as `wait` does, within what is left of the job's
+        patience."""
+        if self.models > 0 or self._hurry:
+            return
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            return
+        self._open.acquire(blocking=False)  # forget an opening from before: closed for sure
+        self.waiting = True
+        if self.models <= 0 and not self._hurry:  # read after `waiting` is set: from now on either opens
+            self._open.acquire(timeout=left)
+        self.waiting = False
+
+    def open(self) -> None:
+        self.waiting = False
+        with suppress(RuntimeError):  # another thread opened it first
+            self._open.release()
+
+    @contextmanager
+    def hurried(self) -> Iterator[None]:
+        """While it lasts, the writer does not wait at the gate."""
+        with self._lock:
+            self._hurry += 1
+        self.open()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._hurry -= 1
 
 
 _lock = threading.Lock()

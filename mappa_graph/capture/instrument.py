@@ -34,7 +34,7 @@ from langchain_core.runnables import Runnable, RunnableConfig
 
 from ..traces import Episode
 from .collector import TraceCollector, abound_steps, bound, bound_steps
-from .courtesy import mark_background
+from .courtesy import ModelGate, mark_background
 from .paths import AgentResolver, AgentsSpec
 from .store import TraceStore
 
@@ -114,13 +114,14 @@ class _TraceWorker(Executor):
         self._errors: deque[BaseException] = deque()  # append and popleft are atomic
         self._jobs_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self.gate = ModelGate()
 
     def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
-        job = _Job()
+        job = _Job(self.gate)
         with self._jobs_lock:  # `_last` is the last job queued: two threads' submits must not cross
             if self._thread is None:  # the first job (a forked child's copy forgets its thread, see below)
-                self._thread = threading.Thread(target=_work, args=(self._queue, self._errors), name="mappa-trace",
-                                                daemon=True)
+                self._thread = threading.Thread(target=_work, args=(self._queue, self._errors, self.gate),
+                                                name="mappa-trace", daemon=True)
                 self._thread.start()
                 weakref.finalize(self, self._queue.put, None)
                 _WORKERS.add(self)
@@ -133,7 +134,7 @@ class _TraceWorker(Executor):
             return  # a job that reads the store: waiting for itself would never return
         last = self._last
         if last is not None:
-            last.exception()
+            last.exception()  # hurries the gate
         errors = self._take_errors()
         for error in errors[1:]:
             log.error("mappa_graph: another episode failed to build or store: %r", error)
@@ -155,7 +156,8 @@ class _TraceWorker(Executor):
         if thread is not None:
             self._queue.put(None)
             if wait:
-                thread.join()
+                with self.gate.hurried():
+                    thread.join()
 
 
 class _Job:
@@ -164,9 +166,10 @@ class _Job:
     the job has run is all the waiting needs. It keeps no result (the episode reaches its collector, the kept
     episodes and the store), so a job that is still referenced holds no episode alive."""
 
-    __slots__ = ("_done", "_error", "_errors")
+    __slots__ = ("_done", "_error", "_errors", "_gate")
 
-    def __init__(self) -> None:
+    def __init__(self, gate: ModelGate) -> None:
+        self._gate = gate  # waiting for the job hurries its worker (see ModelGate)
         self._done = threading.Lock()
         self._done.acquire()
         self._error: BaseException | None = None
@@ -185,7 +188,9 @@ class _Job:
             self._done.release()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not self._done.acquire(timeout=-1 if timeout is None else timeout):
+        with self._gate.hurried():
+            done = self._done.acquire(timeout=-1 if timeout is None else timeout)
+        if not done:
             raise TimeoutError(f"the trace writer did not finish this job within {timeout} s")
         self._done.release()
         return self._error
@@ -200,10 +205,22 @@ class _Job:
             raise error
 
 
-def _work(jobs: queue.SimpleQueue[Any], errors: deque[BaseException]) -> None:
-    """The worker thread: run jobs in order until a None, keeping the errors of those that failed."""
+def _work(jobs: queue.SimpleQueue[Any], errors: deque[BaseException], gate: ModelGate) -> None:
+    """The worker thread: run jobs in order until a None, keeping the errors of those that failed. The first
+    job of a batch waits at the gate; the ones queued behind it run at once."""
     mark_background()
-    while (item := jobs.get()) is not None:
+    ready = False
+    while True:
+        try:
+            item = jobs.get_nowait() if ready else jobs.get()
+        except queue.Empty:
+            ready = False
+            continue
+        if item is None:
+            return
+        if not ready:
+            gate.wait()  # until the graph waits for a model (see ModelGate)
+            ready = True
         job, fn, args, kwargs = item
         job.run(fn, args, kwargs, errors)
         del item, job, fn, args, kwargs  # drop the episode's events before waiting for the next job
@@ -254,7 +271,8 @@ class InstrumentedGraph(Runnable[Any, Any]):
     recent `keep` of them; each read gives new copies) and written to the store when one is given.
 
     With `background=True` (the default) episodes are built and stored on a worker thread, off the graph's
-    hot path; `episodes`, `last_episode`, `run_episode`, `flush()` and the store's own reads (`store.episodes()`,
+    hot path, while the graph waits for a model call (or within 0.1 s; see `ModelGate`);
+    `episodes`, `last_episode`, `run_episode`, `flush()` and the store's own reads (`store.episodes()`,
     `count()`, rewards for a just-run episode) wait for it, so nothing is missed, and a failed write is raised
     by whichever of them comes first.
 

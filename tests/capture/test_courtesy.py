@@ -136,3 +136,42 @@ def test_a_child_forked_during_a_build_has_its_collector_back() -> None:
     thread.join(10)
     assert answer == "True 1"
     assert gc.isenabled()
+
+
+def test_the_writers_gate_opens_for_a_model_call_a_waiter_or_its_patience() -> None:
+    """The writer's gate (see ModelGate): it waits while no model call is in flight, and only that long."""
+    import time
+
+    from mappa_graph.capture.courtesy import ModelGate
+
+    def waited(gate: ModelGate, step=None, after_s: float = 0.2) -> float:
+        if step is not None:
+            threading.Timer(after_s, step).start()
+        started = time.monotonic()
+        gate.wait()
+        return time.monotonic() - started
+
+    gate = ModelGate(patience=30.0)
+    gate.models = 1  # a model call in flight: the writer goes at once
+    assert waited(gate) < 1
+    gate.models = 0
+
+    def model_starts() -> None:  # what a collector does as a model call starts
+        gate.models += 1
+        if gate.waiting:
+            gate.open()
+
+    assert 0.15 < waited(gate, model_starts) < 10
+    gate.models = 0
+
+    def flush() -> None:
+        with gate.hurried():
+            time.sleep(0.5)
+
+    assert 0.15 < waited(gate, flush) < 10
+    time.sleep(0.5)  # that flush is over: waiting again
+    gate.patience = 0.3
+    assert 0.25 < waited(gate) < 10  # nothing opened it: its patience
+    started = time.monotonic()
+    gate.pause()  # the job's patience is spent: a later part of it does not wait again
+    assert time.monotonic() - started < 0.1

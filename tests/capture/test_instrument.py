@@ -221,6 +221,51 @@ def test_background_episodes_are_complete_in_order_and_stored_when_flush_returns
         {"a": n, "b": 100} for n in range(12)]
 
 
+def test_the_writer_builds_while_the_graph_waits_for_a_model_and_whenever_someone_waits_for_it() -> None:
+    """A finished call's episode is built while the graph waits for its next model call, not while the graph's
+    own code runs (a build there holds the GIL the graph wants back); flush() does not wait for a model call."""
+    import time
+
+    from tests.fakes import ScriptedChatModel, task_number
+    from tests.graphs import planner_script
+
+    seen_by_the_model: list[int] = []
+
+    def planner(messages):
+        if task_number(messages) == 1:  # the second call: the first call's episode is built meanwhile
+            deadline = time.monotonic() + 10
+            while not app._episodes and time.monotonic() < deadline:
+                time.sleep(0.005)
+            seen_by_the_model.append(len(app._episodes))
+        return planner_script(messages)
+
+    app = instrument(build_graph(planner_model=ScriptedChatModel(script=planner)).compile())
+    app._worker.gate.patience = 60.0  # only a model call or a waiter lets the writer go
+    app.invoke(task_input(0))
+    time.sleep(0.3)
+    assert app._episodes == []  # queued, not built: the graph called no model since
+    app.invoke(task_input(1))
+    assert seen_by_the_model == [1]
+    started = time.monotonic()
+    app.flush()
+    assert time.monotonic() - started < 5  # far from the 60 s the gate would wait by itself
+    assert [e.input["messages"][0]["content"] for e in app.episodes] == ["solve task-0", "solve task-1"]
+
+
+def test_an_episode_is_written_within_the_writers_patience_without_another_model_call(tmp_path) -> None:
+    import time
+
+    store = TraceStore(tmp_path / "t.db")
+    app = instrument(build_graph().compile(), store=store)
+    app._worker.gate.patience = 0.05
+    app.invoke(task_input(0))
+    deadline = time.monotonic() + 10
+    while not app._episodes and time.monotonic() < deadline:  # no flush, no store read: nothing hurries it
+        time.sleep(0.01)
+    assert len(app._episodes) == 1
+    assert store.count("episodes") == 1
+
+
 def test_the_writer_thread_ends_with_its_graph() -> None:
     import gc
     import time

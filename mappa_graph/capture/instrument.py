@@ -426,8 +426,12 @@ class InstrumentedGraph(Runnable[Any, Any]):
         return abound_steps(collector, self.graph.astream(input, cfg, **kwargs))
 
     def astream_events(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
-        """The graph's own event stream (any `version`), recorded like `astream`."""
+        """The graph's own event stream, recorded like `astream`. `version="v3"` (LangGraph's experimental run
+        stream) is an awaitable, not an iterator: it is returned as the graph gives it, and its collector binds
+        itself from the run's first callback, as under `stream_events`."""
         cfg, collector = self._config(config, call_kwargs=kwargs)
+        if kwargs.get("version") == "v3":
+            return self.graph.astream_events(input, cfg, **kwargs)
         return abound_steps(collector, self.graph.astream_events(input, cfg, **kwargs))
 
     def stream_events(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:

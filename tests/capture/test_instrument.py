@@ -114,6 +114,26 @@ async def _last_event(events) -> str:
     return found[-1]
 
 
+@pytest.mark.filterwarnings("ignore:The v3 streaming protocol")
+def test_the_v3_event_streams_record_and_return_the_graphs_own_objects() -> None:
+    """`astream_events(version="v3")` returns an awaitable (a run stream whose events pump the run as they
+    are read), not an async iterator: wrapped as one, `await app.astream_events(..., version="v3")` raised
+    TypeError. Both v3 streams return LangGraph's own run stream and record one episode."""
+    plain = build_graph().compile()
+    app = instrument(build_graph().compile())
+
+    async def read(graph):
+        run = await graph.astream_events(task_input(6), version="v3")
+        return (await run.output())["messages"][-1].content
+
+    assert asyncio.run(read(app)) == asyncio.run(read(plain))
+    assert len(app.episodes) == 1 and len(app.last_episode.actions) == 4 and app.last_episode.error is None
+    run = app.stream_events(task_input(7), version="v3")
+    assert run.output["messages"][-1].content == plain.stream_events(task_input(7), version="v3").output[
+        "messages"][-1].content
+    assert len(app.episodes) == 2 and len(app.last_episode.actions) == 4
+
+
 def test_user_callbacks_are_kept() -> None:
     class Count(BaseCallbackHandler):
         def __init__(self) -> None:

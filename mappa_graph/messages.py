@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from langchain_core.messages import (
@@ -79,14 +79,20 @@ def content_text(content: Any) -> str:
     return str(content)
 
 
-def to_jsonable(value: Any, _depth: int = 0, *, message: Callable[[BaseMessage], Any] = message_to_dict) -> Any:
+def to_jsonable(value: Any, _depth: int = 0, *, message: Callable[[BaseMessage], Any] = message_to_dict,
+                memo: Mapping[int, tuple[Any, Any]] | None = None) -> Any:
     """Make graph state (messages, pydantic models, dataclasses...) storable as JSON without losing meaning;
     what JSON cannot hold becomes its repr, so no state, however odd, loses an episode. `message` converts each
-    message (the trace builder passes one that converts each message once)."""
+    message (the trace builder passes one that converts each message once). `memo` maps `id(obj)` to
+    `(obj, its JSON taken earlier)`: such an object gives a copy of that JSON instead of what it holds now."""
     if _depth > 32:
         return _repr(value)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if memo:
+        found = memo.get(id(value))
+        if found is not None and found[0] is value:
+            return copy_json(found[1])
     if isinstance(value, BaseMessage):
         return message(value)
     if isinstance(value, BaseModel):
@@ -94,19 +100,30 @@ def to_jsonable(value: Any, _depth: int = 0, *, message: Callable[[BaseMessage],
             dumped = value.model_dump(mode="json")
         except Exception:  # noqa: BLE001 - a field pydantic cannot write as JSON (an arbitrary type, raw bytes)
             dumped = _model_fields(value)  # each field on its own
-        return to_jsonable(dumped, _depth + 1, message=message)
+        return to_jsonable(dumped, _depth + 1, message=message, memo=memo)
     if isinstance(value, dict):
-        return {str(k): to_jsonable(v, _depth + 1, message=message) for k, v in value.items()}
+        return {str(k): to_jsonable(v, _depth + 1, message=message, memo=memo) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
-        return [to_jsonable(v, _depth + 1, message=message) for v in value]
+        return [to_jsonable(v, _depth + 1, message=message, memo=memo) for v in value]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):  # an instance; its class is just a name
-        return {f.name: to_jsonable(getattr(value, f.name, None), _depth + 1, message=message)
+        return {f.name: to_jsonable(getattr(value, f.name, None), _depth + 1, message=message, memo=memo)
                 for f in dataclasses.fields(value)}  # fields(): no InitVar (not kept), no ClassVar (not data)
     try:
         json.dumps(value)
         return value
     except Exception:  # noqa: BLE001 - not JSON: kept as its repr
         return _repr(value)
+
+
+def copy_json(value: Any) -> Any:
+    """A copy of JSON-like data (dicts and lists of it; anything else is shared, as JSON's leaves are
+    immutable)."""
+    kind = type(value)
+    if kind is dict:
+        return {k: copy_json(v) for k, v in value.items()}
+    if kind is list:
+        return [copy_json(v) for v in value]
+    return value
 
 
 def _model_fields(model: BaseModel) -> Any:

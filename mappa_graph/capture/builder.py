@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from langchain_core.messages import ToolMessage
+from langchain_core.messages import BaseMessage, ToolMessage
 
 from ..messages import MAPPA_KEY, content_text, message_to_dict, to_jsonable
 from ..traces import Action, Episode, ToolCall, ToolResult
@@ -72,6 +72,40 @@ def _copied(value: Any) -> Any:
 
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})  # immutable: a copy may share them
+
+Frozen = dict[int, tuple[Any, Any]]  # id(obj) -> (obj, its JSON as the call returned)
+
+
+def freeze(*values: Any) -> Frozen:
+    """What a call's caller can reach once it returns (its input and its output, and every message, dict and
+    list inside them), converted on the calling thread as the call ends. The episode is built later, on the
+    writer thread: read then, an output the caller had edited in place (a reply's text, a chat loop appending
+    its next turn to the returned messages) was recorded edited, and one the caller was still filling made
+    the build fail ("dictionary changed size during iteration") and the episode was lost. The builder takes
+    these objects, wherever they recur (node inputs and outputs, model replies), from here instead."""
+    memo: Frozen = {}
+    for value in values:
+        _freeze(value, memo, 0)
+    return memo
+
+
+def _freeze(value: Any, memo: Frozen, depth: int) -> Any:
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    found = memo.get(id(value))
+    if found is not None and found[0] is value:
+        return found[1]
+    if isinstance(value, BaseMessage):
+        converted: Any = _copied(message_to_dict(value))  # its content blocks and tool calls are its own
+    elif kind is dict and depth < 32:
+        converted = {str(k): _freeze(v, memo, depth + 1) for k, v in value.items()}
+    elif (kind is list or kind is tuple) and depth < 32:
+        converted = [_freeze(v, memo, depth + 1) for v in value]
+    else:
+        converted = to_jsonable(value)  # new JSON: a pydantic model's dump, a dataclass's fields, a repr
+    memo[id(value)] = (value, converted)
+    return converted
 
 
 _LAST = ((9, ""),)  # sorts after every task path: a model call made outside any node task, after the step
@@ -169,19 +203,23 @@ class EpisodeBuilder:
         # too (tool calls, content blocks): an edit to one action's copy never reaches another's, or the app's.
         # Most messages are flat (string content, no tool calls): their copy is one C-level dict copy.
         self._message_dicts: dict[int, tuple[dict[str, Any], bool]] = {}
+        self._frozen: Frozen | None = None
 
     def _message(self, message: Any) -> dict[str, Any]:
         found = self._message_dicts.get(id(message))
         if found is None:
-            converted = message_to_dict(message)
+            frozen = self._frozen.get(id(message)) if self._frozen else None
+            converted = frozen[1] if frozen is not None and frozen[0] is message else message_to_dict(message)
             nested = any(type(v) not in _SCALARS for v in converted.values())
             found = self._message_dicts[id(message)] = (converted, nested)
         return _copied(found[0]) if found[1] else dict(found[0])
 
     def _jsonable(self, value: Any) -> Any:
-        return to_jsonable(value, message=self._message)
+        return to_jsonable(value, message=self._message, memo=self._frozen)
 
     def build(self, events: Sequence[Event]) -> Episode:
+        last = events[-1][6] if events else None  # the root's end: what its caller got, frozen (see freeze)
+        self._frozen = last.get("frozen") if isinstance(last, dict) else None
         for i, (kind, run_id, parent, metadata, payload, at, extra) in enumerate(events):
             getattr(self, f"_{kind}")(run_id, parent, metadata or {}, payload, at, extra)
             if i % _YIELD_EVERY == _YIELD_EVERY - 1:

@@ -27,7 +27,7 @@ from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.tracers.context import register_configure_hook
 
 from ..traces import Episode
-from .builder import EpisodeBuilder, Event, Raised
+from .builder import EpisodeBuilder, Event, Raised, freeze
 from .courtesy import gc_paused
 from .paths import AgentResolver, AgentsSpec
 
@@ -322,11 +322,14 @@ class TraceCollector(BaseCallbackHandler):
         """The root run ended: record its end (with the checkpoint it left), forget its runs, build its
         episode. Runs of this root that report after this are dropped, as their episode is already built."""
         thread = self._threads.pop(run, None) if self._threads else None
-        extra = None
+        extra: dict[str, Any] | None = None
         if thread is not None:
             extra = {"checkpoint_id": self._checkpoint_id(thread)}
             if self.paused_before is not None and extra["checkpoint_id"] and kind == "chain_end":
                 extra["paused_before"] = self.paused_before({**thread, "checkpoint_id": extra["checkpoint_id"]})
+        if self.executor is not None:  # built later, on another thread: what the caller may change is read now
+            frozen = freeze(events[0][4], payload) if kind == "chain_end" else freeze(events[0][4])
+            extra = {**(extra or {}), "frozen": frozen}
         events.append((kind, run, None, None, payload, time.time(), extra))
         if self._models:  # a model run that never reported its end (a stream left unread) is over with its call
             self._gate.models -= self._models  # type: ignore[union-attr]  # counted only with a gate

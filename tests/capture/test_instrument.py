@@ -662,3 +662,63 @@ def test_the_temperature_an_app_asks_of_a_model_is_recorded_without_a_token_reco
     app = instrument(graph.compile())
     app.invoke({"task": "t"})
     assert [(a.node, a.temperature) for a in app.last_episode.actions] == [("hot", 0.7), ("cold", None)]
+
+
+def test_what_the_caller_changes_after_a_call_does_not_change_its_episode() -> None:
+    """The episode is built on the writer thread after the call returned: it read the caller's edits of the
+    returned state (a reply's text, the next turn a chat loop appends to the returned messages, its input
+    reused) and recorded them as what the graph did."""
+    from langchain_core.messages import HumanMessage
+
+    app = instrument(build_graph().compile())
+    given = task_input(1)
+    out = app.invoke(given)
+    reply = out["messages"][-1].content
+    out["messages"][-1].content = "EDITED BY CALLER"
+    out["messages"].append(HumanMessage("turn 2, typed after turn 1 returned"))
+    given["messages"].append(HumanMessage("the caller reuses its input"))
+    episode = app.last_episode
+    assert [m["content"] for m in episode.final_state["messages"]][-1] == reply
+    assert len(episode.final_state["messages"]) == len(out["messages"]) - 1
+    assert len(episode.input["messages"]) == 1
+    assert episode.actions[-1].output_message["content"] == reply
+
+
+def test_a_caller_still_filling_the_returned_state_loses_no_episode() -> None:
+    """A caller that keeps growing a dict it got back while the writer converted it made the build fail
+    ("dictionary changed size during iteration"): the episode was lost and flush() raised it."""
+    import threading
+    from typing import TypedDict
+
+    from langgraph.graph import START, StateGraph
+
+    from tests.fakes import ScriptedChatModel
+
+    from langchain_core.messages import AIMessage
+
+    model = ScriptedChatModel(script=lambda messages: AIMessage("reply"))
+
+    class State(TypedDict, total=False):
+        cache: dict
+
+    def node(state: State) -> dict:
+        model.invoke("hi")
+        return {"cache": {f"k{i}": [i, {"v": i}] for i in range(20000)}}
+
+    graph = StateGraph(State)
+    graph.add_node("node", node)
+    graph.add_edge(START, "node")
+    app = instrument(graph.compile())
+    for trial in range(3):
+        cache = app.invoke({"cache": {}})["cache"]
+        done = threading.Event()
+        writer_done = threading.Thread(target=lambda: (app.flush(), done.set()))
+        writer_done.start()
+        i = 0
+        while not done.is_set():  # the app keeps using its own dict while the episode is written
+            cache[f"new{i}"] = i
+            i += 1
+        writer_done.join()
+        assert len(app.last_episode.final_state["cache"]) == 20000
+        assert app.last_episode.actions[0].node_output["cache"]["k7"] == [7, {"v": 7}]
+    assert len(app.episodes) == 3

@@ -24,6 +24,9 @@ A seccomp filter (tools/sandbox_seccomp.py, x86_64 and aarch64) refuses the call
 per-process limit counts (`memfd_create`, `memfd_secret`, System V IPC) and other ABIs' calls; /dev (a tmpfs
 with no size cap) is read-only.
 
+/proc/sys (host-wide kernel settings) is an empty read-only folder, and the filter also refuses the kernel
+keyring calls, as keyrings are shared with the host.
+
 Known limits: an unprivileged `bwrap` can only map the sandbox's uid to the caller's own, so when the caller
 is root the sandboxed processes are host root without capabilities (in every namespace of their own), and
 RLIMIT_NPROC, which the kernel does not apply to root, is replaced by the parent's process watch. Limits are
@@ -369,7 +372,10 @@ def _bwrap_launch(table: Path | None, base: Path, disk_mb: int, info_fd: int, se
             args += ["--symlink", os.readlink(top), str(top)]
         elif top.is_dir():
             args += ["--ro-bind", str(top), str(top)]
-    args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache", "--proc", "/proc", "--dev", "/dev",
+    # /proc/sys: host-wide kernel settings, which the kernel lets a process write by file mode and uid alone
+    # (the sandbox's uid is host root's when the caller is root); bwrap covers it only when it looks writable
+    args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache", "--proc", "/proc",
+             "--tmpfs", "/proc/sys", "--remount-ro", "/proc/sys", "--dev", "/dev",
              "--size", small, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",  # /dev itself is an uncapped tmpfs
              "--size", small, "--tmpfs", "/tmp"]
     for folder in _python_folders():

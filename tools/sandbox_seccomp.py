@@ -6,7 +6,9 @@ kernel memory are not on any mount: `memfd_create` (and `memfd_secret`) files (a
 RAM, 24 of them filled with `os.posix_fallocate`, in a run limited to 256 MB, with plain Python the audit hook
 allows) and System V IPC (`shmget`, `msgget`, `semget`: a fresh IPC namespace allows some 64 GB of semaphore
 sets alone, and they outlive the process that made them). No data-analysis code needs them, so the filter
-makes them fail with EPERM, and refuses every call made through another ABI than the machine's own (32-bit
+makes them fail with EPERM, as it does the kernel keyring calls (`add_key`, `request_key`, `keyctl`: keyrings
+are not namespaced, so sandboxed code read the caller's session keyring and planted keys that outlived the
+run), and refuses every call made through another ABI than the machine's own (32-bit
 `int 0x80` and x32 calls on x86_64), whose numbers differ.
 
 bubblewrap loads the filter (`--seccomp FD`) as a classic BPF program, an array of `struct sock_filter`
@@ -33,8 +35,10 @@ _X32_BIT = 0x40000000
 
 # machine -> (AUDIT_ARCH_*, the refused calls' numbers on it)
 _REFUSED = {
-    "x86_64": (0xC000003E, {"memfd_create": 319, "memfd_secret": 447, "shmget": 29, "msgget": 68, "semget": 64}),
-    "aarch64": (0xC00000B7, {"memfd_create": 279, "memfd_secret": 447, "shmget": 194, "msgget": 186, "semget": 190}),
+    "x86_64": (0xC000003E, {"memfd_create": 319, "memfd_secret": 447, "shmget": 29, "msgget": 68, "semget": 64,
+                            "add_key": 248, "request_key": 249, "keyctl": 250}),
+    "aarch64": (0xC00000B7, {"memfd_create": 279, "memfd_secret": 447, "shmget": 194, "msgget": 186, "semget": 190,
+                             "add_key": 217, "request_key": 218, "keyctl": 219}),
 }
 
 

@@ -56,6 +56,37 @@ def test_memory_no_limit_counts_is_refused_to_hooked_and_unhooked_code() -> None
         spawned.stdout, spawned  # EPERM from the filter; EROFS: /dev is a tmpfs no size caps
 
 
+HOST_STATE = """import ctypes, os
+out = []
+writable = []
+for folder, _, names in os.walk("/proc/sys"):
+    for name in names:
+        try:
+            with open(os.path.join(folder, name), "r+b"):
+                writable.append(name)
+        except OSError:
+            pass
+out.append(f"{len(writable)} host settings writable")
+import platform
+libc = ctypes.CDLL(None, use_errno=True)
+numbers = {"x86_64": (248, 250), "aarch64": (217, 219)}[platform.machine()]  # add_key, keyctl: no glibc wrappers
+for name, number, args in (("add_key", numbers[0], (b"user", b"planted", b"x", 1, ctypes.c_int(-3))),
+                           ("keyctl", numbers[1], (0, ctypes.c_int(-3), 0))):  # the session keyring's id
+    made = libc.syscall(number, *args)
+    out.append(f"{name} errno {ctypes.get_errno()}" if made < 0 else f"{name} made")
+print(out, flush=True)
+"""
+
+
+def test_host_settings_and_kernel_keyrings_are_out_of_reach_of_unhooked_code() -> None:
+    """The sandbox's uid is the caller's, host root when the caller is root, and the kernel checks /proc/sys
+    writes by file mode and uid only: unhooked code rewrote host-wide settings (`kernel.core_uses_pid`; one
+    step from `kernel.core_pattern`, a command run as host root). Kernel keyrings are not namespaced: code
+    read the caller's session keyring and planted keys that outlived the run. Found by an attacker's try."""
+    spawned = run(FORK_EXEC + f"spawn([sys.executable, '-c', {HOST_STATE!r}])\nimport time; time.sleep(3)")
+    assert "['0 host settings writable', 'add_key errno 1', 'keyctl errno 1']" in spawned.stdout, spawned
+
+
 def test_the_filter_refuses_other_abis_and_is_none_where_it_has_no_numbers() -> None:
     x86 = program("x86_64")
     assert x86 is not None and len(x86) % 8 == 0  # struct sock_filter: 8 bytes each

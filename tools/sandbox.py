@@ -8,8 +8,9 @@ Layers, outermost first:
    Python installation and venv read-only, the table read-only, a private /tmp, /proc and /dev, and a work
    folder that is a size-capped tmpfs, gone when the run ends. `bwrap` itself starts with a minimal
    environment (inside, /proc/1/environ is bwrap's own), so no API key is there to read.
-2. The parent's watch: a wall-clock deadline, and at most MAX_PROCESSES processes, past which it kills the
-   sandbox's pid-namespace init, so that the kernel ends everything the child started before the call returns.
+2. The parent's watch: a wall-clock deadline, and at most MAX_PROCESSES processes and MAX_TASKS threads, past
+   which it kills the sandbox's pid-namespace init, so that the kernel ends everything the child started
+   before the call returns.
 3. `resource` limits set in the child before any user code: address space, CPU seconds, file size, open
    files, core dumps, and RLIMIT_NPROC where the kernel applies it (not when the caller is root: see below).
 4. A PEP 578 audit hook and friendly stubs (`tools/sandbox_child.py`): clear errors for well-meaning code
@@ -77,6 +78,7 @@ ISOLATION_ENV = "MAPPA_SANDBOX_ISOLATION"
 INSIDE_WORKDIR = "/sandbox"  # the work folder's path as the sandboxed code sees it
 SANDBOX_UID = 65534  # "nobody" inside the user namespace
 MAX_PROCESSES = 64  # processes in one sandbox (see _SandboxWatch); the hook already refuses fork and exec
+MAX_TASKS = 256  # threads of all its processes together (each is one of the host's pids)
 PRIVATE_TMP_MB = 16  # the sandbox's own /tmp and /dev/shm are small tmpfs too
 _INTERNAL = ".sandbox"  # per-run folder for matplotlib's config and cache; hidden from `files`
 _PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -516,7 +518,7 @@ class _SandboxWatch:
 
     RLIMIT_NPROC does not bind when the caller is root (the sandbox's uid maps to host root), so a process
     bomb that got past the audit hook is stopped here: the host's task count (/proc/loadavg, one cheap read)
-    is watched, and only when it has grown by MAX_PROCESSES are the sandbox's own processes counted."""
+    is watched, and only when it has grown by MAX_PROCESSES are the sandbox's own processes and threads counted."""
 
     def __init__(self, info: IO[bytes], bwrap_pid: int) -> None:
         self._info, self._bwrap_pid = info, bwrap_pid
@@ -545,19 +547,24 @@ class _SandboxWatch:
         return self._init
 
     def too_many_processes(self) -> bool:
-        if _host_tasks() - self._baseline <= MAX_PROCESSES:
+        if _host_tasks() - self._baseline <= MAX_PROCESSES:  # the sandbox's own tasks, or others' load
             return False
         report = self._read()
         if report is None:
             return False
-        namespace, count = f"pid:[{report.get('pid-namespace')}]", 0
+        namespace, processes, tasks = f"pid:[{report.get('pid-namespace')}]", 0, 0
         for entry in os.listdir("/proc"):
             try:
-                count += entry.isdigit() and os.readlink(f"/proc/{entry}/ns/pid") == namespace
+                if entry.isdigit() and os.readlink(f"/proc/{entry}/ns/pid") == namespace:
+                    processes += 1
+                    tasks += len(os.listdir(f"/proc/{entry}/task"))  # its threads: each is a pid of the host's
             except OSError:
                 continue
-        self._baseline = _host_tasks()  # others' load: look again only after a further rise
-        return count > MAX_PROCESSES
+        # Others' load is what the host holds beyond the sandbox's own tasks: look again after a further rise.
+        # (Set to the whole count, the baseline took in the sandbox's threads, and processes started once they
+        # ended went unseen.)
+        self._baseline = _host_tasks() - tasks
+        return processes > MAX_PROCESSES or tasks > MAX_TASKS
 
 
 def _host_tasks() -> int:
@@ -638,7 +645,7 @@ def _diagnose(
     if stopped == "wall":
         return f"timed out after {wall_seconds:g} s wall time"
     if stopped == "processes":
-        return f"stopped: the code started more than {MAX_PROCESSES} processes"
+        return f"stopped: the code started more than {MAX_PROCESSES} processes or {MAX_TASKS} threads"
     if killed_by == signal.SIGXCPU or (killed_by == signal.SIGKILL and cpu_used >= cpu_seconds):
         return f"CPU time limit exceeded ({cpu_seconds:g} s of CPU time)"
     if reply.get("error"):

@@ -48,6 +48,10 @@ except Exception as exc: out.append(repr(exc))
 print(out, flush=True)
 """
 LINGER = "import time; time.sleep(60)  # " + MARKER
+# a fresh interpreter (no audit hook) holding 300 threads for {hold} s
+THREADS = ("import threading, time  # " + MARKER + "\nthreading.stack_size(64 * 1024)\nheld = threading.Event()\n"
+           "threads = [threading.Thread(target=held.wait) for _ in range(300)]\n[t.start() for t in threads]\n"
+           "time.sleep({hold})\nheld.set()\n[t.join() for t in threads]")
 
 # os.open(path, dir_fd=fd): the "open" audit event carries no dir_fd, so the hook resolves `path` against the
 # cwd. From a cwd 40 folders deep, "../"*40 is the work folder to the hook and "/" to the kernel.
@@ -117,7 +121,15 @@ def spawn(argv):
     "spawn-then-hang": (FORK_EXEC + "spawn([sys.executable, '-c', {linger!r}])\nimport time\ntime.sleep(60)",
                         f"timed out after {WALL_SECONDS} s wall time"),  # the deadline path must end the spawned one
     "process-flood": (FORK_EXEC + "spawn(['/bin/sh', '-c', 'for i in $(seq 200); do sleep 30 & done; wait'])\n"
-                      "import time\ntime.sleep(30)", "stopped: the code started more than 64 processes"),
+                      "import time\ntime.sleep(30)", "stopped: the code started more than 64 processes or 256 threads"),
+    # threads are tasks (pids) too; and a watch that had counted them once raised its baseline past them, so
+    # processes started once they ended went unseen (an attacker's try: 300 threads, then 100 processes)
+    "thread-flood": (FORK_EXEC + "spawn([sys.executable, '-c', {threads!r}.format(hold=30)])\nimport time\n"
+                     "time.sleep(30)", "stopped: the code started more than 64 processes or 256 threads"),
+    "threads-then-processes": (FORK_EXEC + "spawn([sys.executable, '-c', {threads!r}.format(hold=0.5)])\n"
+                               "import time\ntime.sleep(1.5)\n"
+                               "spawn(['/bin/sh', '-c', 'for i in $(seq 100); do sleep 30 & done; wait'])\n"
+                               "time.sleep(30)", "stopped: the code started more than 64 processes or 256 threads"),
     "alias-ctypes": (ALIAS + "ct = alias('_ctypes')\nprint('loaded', ct)", None),
     "fresh-posix-fifo": ("""import importlib.util
 posix = importlib.util.module_from_spec(importlib.util.find_spec("posix"))
@@ -332,7 +344,7 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
         free = FREE.format(canary=str(canary), outside=str(paths["outside"]), port=world.ports[name])
         cases[name] = code.format(
             canary=str(canary), canary_dir=str(canary_dir), outside=str(paths["outside"]), fifo=str(paths["fifo"]),
-            site_pth=str(paths["site_pth"]), port=world.ports[name], table=TABLE.name, free=free, linger=LINGER,
+            site_pth=str(paths["site_pth"]), port=world.ports[name], table=TABLE.name, free=free, linger=LINGER, threads=THREADS,
             parent_pid="{parent_pid}")
     job = base / "job.json"
     job.write_text(json.dumps({"cases": cases, "table": str(TABLE), "root": str(root), "wall_seconds": WALL_SECONDS}))

@@ -752,11 +752,16 @@ def copy_token_record(action: Action, response_metadata: Mapping[str, Any]) -> N
 
 
 def _tool_message_of(command: Any, call_id: str | None) -> ToolMessage | None:
-    update = getattr(command, "update", None)
-    messages = update.get("messages") if isinstance(update, Mapping) else None
-    for message in reversed(messages or []):
-        if isinstance(message, ToolMessage) and (call_id is None or message.tool_call_id == call_id):
-            return message
+    """The ToolMessage a handoff tool's Command says it answered with: in its update, or in the state it sends
+    the next agent (`Send(agent, {"messages": [..., tool_message]})`, langgraph-supervisor's parallel
+    handoffs)."""
+    goto = getattr(command, "goto", None)
+    sent = [g.arg for g in (goto if isinstance(goto, (list, tuple)) else [goto]) if hasattr(g, "arg")]
+    for update in (getattr(command, "update", None), *sent):
+        messages = update.get("messages") if isinstance(update, Mapping) else None
+        for message in reversed(messages if isinstance(messages, (list, tuple)) else []):
+            if isinstance(message, ToolMessage) and (call_id is None or message.tool_call_id == call_id):
+                return message
     return None
 
 

@@ -607,3 +607,32 @@ def test_model_calls_a_stream_consumer_makes_between_chunks_are_not_the_calls() 
         "draft for task-4", "review of draft for task-4", "edited review of draft for task-4"]
     aside.invoke("after the call")
     assert len(app.episodes) == 1
+
+
+def test_parallel_handoffs_record_what_the_supervisor_was_told() -> None:
+    """create_supervisor(parallel_tool_calls=True) sends each worker its handoff's ToolMessage in a Send's state
+    rather than in the Command's update: the supervisor's tool results read "Command(goto=['researcher'])"
+    instead of the "Successfully transferred" text it was told. Found by review."""
+    from langchain_core.messages import AIMessage, ToolMessage
+    from langgraph.prebuilt import create_react_agent
+    from langgraph_supervisor import create_supervisor
+
+    from tests.fakes import ScriptedChatModel
+
+    def both(messages: list[BaseMessage]) -> AIMessage:
+        if any(isinstance(m, AIMessage) and m.name in ("researcher", "math_expert") for m in messages):
+            return AIMessage("done")
+        return AIMessage("", tool_calls=[{"name": "transfer_to_researcher", "args": {}, "id": "h1"},
+                                         {"name": "transfer_to_math_expert", "args": {}, "id": "h2"}])
+
+    workers = [create_react_agent(ScriptedChatModel(script=lambda m: AIMessage(f"{name} done")), [], name=name)
+               for name in ("researcher", "math_expert")]
+    app = instrument(create_supervisor(workers, model=ScriptedChatModel(script=both),
+                                       parallel_tool_calls=True).compile())
+    out = app.invoke(task_input(1), {"recursion_limit": 20})
+    told = {m.tool_call_id: m.content for m in out["messages"] if isinstance(m, ToolMessage)}
+    first = app.last_episode.actions[0]
+    assert first.agent == "supervisor" and [r.tool_call_id for r in first.tool_results] == ["h1", "h2"]
+    assert [r.output for r in first.tool_results if r.tool_call_id in told] == [
+        told[r.tool_call_id] for r in first.tool_results if r.tool_call_id in told]
+    assert all(r.output.startswith("Successfully transferred") for r in first.tool_results), first.tool_results

@@ -6,6 +6,7 @@ Hugging Face chat templates take, so a stored prompt can be re-rendered without 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from collections.abc import Callable, Mapping
@@ -115,15 +116,22 @@ def to_jsonable(value: Any, _depth: int = 0, *, message: Callable[[BaseMessage],
         return _repr(value)
 
 
+JSON_SCALARS = frozenset({str, int, float, bool, type(None)})  # immutable: a copy may share them
+
+
 def copy_json(value: Any) -> Any:
-    """A copy of JSON-like data (dicts and lists of it; anything else is shared, as JSON's leaves are
-    immutable)."""
+    """A copy of a converted message or state, nested dicts and lists included. Their parts are JSON-like
+    (strings, numbers, dicts and lists from a model's parsed reply), so this walks them directly:
+    `copy.deepcopy`'s memo and dispatch made it the trace builder's largest cost (a third of a supervisor
+    episode's build). Anything else still goes through deepcopy."""
     kind = type(value)
     if kind is dict:
         return {k: copy_json(v) for k, v in value.items()}
     if kind is list:
         return [copy_json(v) for v in value]
-    return value
+    if kind in JSON_SCALARS:
+        return value
+    return copy.deepcopy(value)
 
 
 def _model_fields(model: BaseModel) -> Any:

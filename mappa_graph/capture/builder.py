@@ -12,14 +12,13 @@ langgraph only when it runs (importing mappa_graph.capture stays light).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from langchain_core.messages import BaseMessage, ToolMessage
 
-from ..messages import MAPPA_KEY, content_text, message_to_dict, to_jsonable
+from ..messages import JSON_SCALARS, MAPPA_KEY, content_text, copy_json, message_to_dict, to_jsonable
 from ..traces import Action, Episode, ToolCall, ToolResult
 from .courtesy import yield_gil
 from .paths import START_NODE, AgentResolver, enclosing_ns, is_internal, node_path
@@ -55,24 +54,6 @@ class Raised(NamedTuple):
 # 3-node benchmark graph, every 4 cost the graph least (every event: more switches than the graph gains)
 _YIELD_EVERY = 4
 
-
-def _copied(value: Any) -> Any:
-    """A copy of a converted message, nested dicts and lists included. Their parts are JSON-like (strings,
-    numbers, dicts and lists from a model's parsed reply), so this walks them directly: `copy.deepcopy`'s memo
-    and dispatch made it the builder's largest cost (a third of a supervisor episode's build). Anything else
-    still goes through deepcopy."""
-    kind = type(value)
-    if kind is dict:
-        return {k: _copied(v) for k, v in value.items()}
-    if kind is list:
-        return [_copied(v) for v in value]
-    if kind in _SCALARS:
-        return value
-    return copy.deepcopy(value)
-
-
-_SCALARS = frozenset({str, int, float, bool, type(None)})  # immutable: a copy may share them
-
 Frozen = dict[int, tuple[Any, Any]]  # id(obj) -> (obj, its JSON as the call returned)
 
 
@@ -91,13 +72,13 @@ def freeze(*values: Any) -> Frozen:
 
 def _freeze(value: Any, memo: Frozen, depth: int) -> Any:
     kind = type(value)
-    if kind in _SCALARS:
+    if kind in JSON_SCALARS:
         return value
     found = memo.get(id(value))
     if found is not None and found[0] is value:
         return found[1]
     if isinstance(value, BaseMessage):
-        converted: Any = _copied(message_to_dict(value))  # its content blocks and tool calls are its own
+        converted: Any = copy_json(message_to_dict(value))  # its content blocks and tool calls are its own
     elif kind is dict and depth < 32:
         converted = {str(k): _freeze(v, memo, depth + 1) for k, v in value.items()}
     elif (kind is list or kind is tuple) and depth < 32:
@@ -210,9 +191,9 @@ class EpisodeBuilder:
         if found is None:
             frozen = self._frozen.get(id(message)) if self._frozen else None
             converted = frozen[1] if frozen is not None and frozen[0] is message else message_to_dict(message)
-            nested = any(type(v) not in _SCALARS for v in converted.values())
+            nested = any(type(v) not in JSON_SCALARS for v in converted.values())
             found = self._message_dicts[id(message)] = (converted, nested)
-        return _copied(found[0]) if found[1] else dict(found[0])
+        return copy_json(found[0]) if found[1] else dict(found[0])
 
     def _jsonable(self, value: Any) -> Any:
         return to_jsonable(value, message=self._message, memo=self._frozen)

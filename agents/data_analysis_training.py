@@ -145,6 +145,11 @@ def _run_trusted(code: str, task: DABenchTask) -> str:
     return buffer.getvalue().rstrip() or "(no output: print() the values you need)"
 
 
+def plan_for(kind: str, columns: list[str]) -> str:
+    """The plan the warm start demonstrates for a templated question."""
+    return f"1. Use {' and '.join(columns)}. 2. Compute the {kind}."
+
+
 def warm_start_examples(tasks: list[DABenchTask], python_tool: Any, *, noise: float, seed: int) -> list[SFTExample]:
     """Synthetic traces of all three agents on templated tasks, built with the graph's own prompt builders,
     so the warm start sees exactly the prompts rollouts will. A `noise` share of the coder's and of the
@@ -164,7 +169,7 @@ def warm_start_examples(tasks: list[DABenchTask], python_tool: Any, *, noise: fl
         state = dict(t.input)
         cols = task_columns(task)
         kind = task.concepts[0]
-        plan = f"1. Use {' and '.join(cols)}. 2. Compute the {kind}."
+        plan = plan_for(kind, cols)
         examples.append(SFTExample(messages=to_hf_messages(planner_prompt(state)), reply=plan))
         state["plan"] = plan
         op, quantile = count_condition(task.question) if kind == "count" else (">", None)
@@ -185,3 +190,58 @@ def warm_start_examples(tasks: list[DABenchTask], python_tool: Any, *, noise: fl
         reply = f"@{field}[{printed}]" if rng.random() >= noise else f"@answer[{printed}]"
         examples.append(SFTExample(messages=to_hf_messages(analyst_prompt(state)), reply=reply))
     return examples
+
+
+def coder_skill(base: str, tasks: list[DABenchTask], python_tool: Any) -> float:
+    """The share of `tasks` on which `base`'s greedy coder, given the right plan, writes the one line that answers
+    the question (what the warm start is for: MAPPA removes slips, it cannot teach a coder to read a quantile)."""
+    from mappa_graph.models.policies import AgentPolicies
+
+    policies = AgentPolicies.from_pretrained(base, ["coder"])
+    tools = [convert_to_openai_tool(python_tool)]
+    right = 0
+    for task in tasks:
+        state = dict(to_task(task).input)
+        cols, kind = task_columns(task), task.concepts[0]
+        state["plan"] = plan_for(kind, cols)
+        op, quantile = count_condition(task.question) if kind == "count" else (">", None)
+        prompt = policies.render(to_hf_messages(coder_prompt(state)), tools=tools)
+        out = policies.sample(None, prompt, max_new_tokens=MAX_NEW_TOKENS["coder"], do_sample=False)
+        reply = policies.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
+        right += json.dumps(code_for(kind, cols, quantile, op)) in reply
+    return right / len(tasks) if tasks else 0.0
+
+
+def validated_warm_start(tasks: list[DABenchTask], python_tool: Any, *, noise: float, seed: int, steps: int,
+                         lr: float, batch_size: int, tries: int = 3, good_enough: float = 0.6,
+                         validation_share: float = 0.1) -> tuple[str, list[float]]:
+    """A warm start whose coder can do the job, chosen on questions it did not train on.
+
+    At this learning rate a 1000-step warm start of the 1.4M-parameter model lands either on a coder that reads
+    the question (greedy, right plan: 98 of 120 unseen questions) or on one that does not (22 of 120), and which
+    one depends on the seed and on how the CPU rounds (one thread or two, one CPU model or another): the same
+    settings gave 0.31 held-out accuracy before MAPPA on one machine and 0.11 on another, where MAPPA had little
+    to build on (0.14 after). So the last `validation_share` of the questions is kept out, each try trains on
+    the rest with the next seed, and the first whose coder is right on `good_enough` of them is kept (the best
+    one after `tries`). Returns the model folder and each try's validation score; tries are cached like any
+    warm start."""
+    from mappa_graph.models.sft import warm_start
+
+    if len(tasks) < 2:
+        raise ValueError(f"a validated warm start needs at least 2 questions (some to train on, some to validate "
+                         f"on), got {len(tasks)}: lower --held-out or --rl-tasks")
+    held = max(1, int(len(tasks) * validation_share))
+    train, validation = tasks[:-held], tasks[-held:]
+    examples = warm_start_examples(train, python_tool, noise=noise, seed=seed)
+    scores: list[float] = []
+    best = ""
+    for attempt in range(max(1, tries)):
+        folder = str(warm_start("tiny", examples, steps=steps, batch_size=batch_size, lr=lr, seed=seed + attempt))
+        scores.append(coder_skill(folder, validation, python_tool))
+        print(f"warm start {attempt + 1}/{tries}: coder right on {scores[-1]:.0%} of {held} validation "
+              "questions (greedy, right plan)", flush=True)
+        if scores[-1] == max(scores):
+            best = folder
+        if scores[-1] >= good_enough:
+            break
+    return best, scores

@@ -102,3 +102,79 @@ def test_warm_start_slips_are_independent_and_no_answer_follows_a_slipped_code(d
     formatted = {e.reply for e in of("analyst", clean)}
     # the same value under the wrong name: the copy of the number is demonstrated as often as without noise
     assert all(any(f.endswith(e.reply.removeprefix("@answer")) for f in formatted) for e in misnamed)
+
+
+def test_validated_warm_start_keeps_the_first_coder_good_enough_and_else_the_best(dabench_dir, monkeypatch) -> None:
+    """Each try trains on the same questions with the next seed, none of the validation questions among them,
+    and the first whose coder reaches the bar ends the search; with none there, the best try is kept."""
+    from agents import data_analysis_training as recipe
+    from mappa_graph.models import sft
+    from tools.dabench_templates import SMALL_TABLES, templated_tasks
+
+    tasks = templated_tasks(40, seed=0, tables=SMALL_TABLES, max_number_chars=5)
+    trained: list[tuple[int, set[str]]] = []
+
+    def fake_warm_start(base, examples, *, seed, **_):
+        trained.append((seed, {e.messages[-1]["content"] for e in examples}))
+        return f"/warm/{seed}"
+
+    validated: list[list[int]] = []
+    demonstrated: list[list[int]] = []
+    scores = iter([0.2, 0.7, 0.9])
+    examples_of = recipe.warm_start_examples
+
+    def fake_skill(folder, validation, tool):
+        validated.append([t.id for t in validation])
+        return next(scores)
+
+    def spy_examples(chosen, *args, **kwargs):
+        demonstrated.append([t.id for t in chosen])
+        return examples_of(chosen, *args, **kwargs)
+
+    monkeypatch.setattr(recipe, "warm_start_examples", spy_examples)
+
+    monkeypatch.setattr(sft, "warm_start", fake_warm_start)
+    monkeypatch.setattr(recipe, "coder_skill", fake_skill)
+    tool = team.make_table_tool(sandbox=None)
+    folder, got = recipe.validated_warm_start(tasks, tool, noise=0.3, seed=5, steps=10, lr=1e-2, batch_size=8)
+    assert (folder, got) == ("/warm/6", [0.2, 0.7]) and [s for s, _ in trained] == [5, 6]
+    assert trained[0][1] == trained[1][1]
+    assert validated[0] == validated[1] == [t.id for t in tasks[-4:]]
+    assert demonstrated == [[t.id for t in tasks[:-4]]]
+
+    trained.clear()
+    scores = iter([0.3, 0.5, 0.1])
+    folder, got = recipe.validated_warm_start(tasks, tool, noise=0.3, seed=0, steps=10, lr=1e-2, batch_size=8,
+                                              tries=3, good_enough=0.6)
+    assert (folder, got) == ("/warm/1", [0.3, 0.5, 0.1])
+    with pytest.raises(ValueError, match="at least 2 questions"):
+        recipe.validated_warm_start(tasks[:1], tool, noise=0.3, seed=0, steps=10, lr=1e-2, batch_size=8)
+
+
+def test_coder_skill_counts_the_demonstrated_tool_call_and_nothing_else(dabench_dir, monkeypatch) -> None:
+    """The validation score reads a greedy reply the way the warm start wrote it: the teacher's own tool call
+    counts, a described computation or another quantile does not."""
+    from agents import data_analysis_training as recipe
+    from mappa_graph.models.policies import AgentPolicies, Generation
+    from tools.dabench_templates import SMALL_TABLES, templated_tasks
+
+    tasks = [t for t in templated_tasks(200, seed=0, tables=SMALL_TABLES, max_number_chars=5)
+             if t.concepts == ["count"]][:3]
+    tool = team.make_table_tool(sandbox=None)
+    coder = [e.reply for e in recipe.warm_start_examples(tasks, tool, noise=0.0, seed=0)
+             if e.messages[0]["content"] == team.ROLES["coder"]]
+    replies: list[str] = []
+
+    def scripted(self, adapter, prompt_ids, **_):
+        ids = self.tokenizer(replies[len(self.seen)], add_special_tokens=False)["input_ids"]
+        self.seen.append(prompt_ids)
+        return Generation(prompt_token_ids=list(prompt_ids), output_token_ids=ids, output_logprobs=[0.0] * len(ids),
+                          finished=True)
+
+    monkeypatch.setattr(AgentPolicies, "sample", scripted)
+    monkeypatch.setattr(AgentPolicies, "seen", [], raising=False)
+    replies[:] = coder
+    assert recipe.coder_skill("tiny", tasks, tool) == 1.0
+    AgentPolicies.seen.clear()
+    replies[:] = [coder[0].replace("quantile(", "quantile(0.3 if False else "), "I will count the rows.", coder[2]]
+    assert recipe.coder_skill("tiny", tasks, tool) == pytest.approx(1 / 3)

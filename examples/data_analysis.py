@@ -109,9 +109,9 @@ def main() -> None:
         held_raw = templated[-args.held_out :]
         rl_raw = templated[-args.held_out - args.rl_tasks : -args.held_out]
         warm_raw = templated[: -args.held_out - args.rl_tasks]
-        print(f"warm start on {len(warm_raw)} templated questions (a tenth kept to validate it) over {len(SMALL_TABLES)} DABench tables "
-              f"({args.warm_noise:.0%} of the coder's and the analyst's demonstrations slip); MAPPA on "
-              f"{len(rl_raw)} others; {len(held_raw)} held out ...", flush=True)
+        print(f"warm start on {len(warm_raw)} templated questions (a tenth kept to validate it) over "
+              f"{len(SMALL_TABLES)} DABench tables ({args.warm_noise:.0%} of the coder's and the analyst's "
+              f"demonstrations slip); MAPPA on {len(rl_raw)} others; {len(held_raw)} held out ...", flush=True)
         base, warm_scores = recipe.validated_warm_start(warm_raw, tool, noise=args.warm_noise, seed=args.seed,
                                                         steps=args.warm_steps, lr=1e-2, batch_size=8,
                                                         tries=args.warm_tries)

@@ -145,9 +145,11 @@ def _run_trusted(code: str, task: DABenchTask) -> str:
     return buffer.getvalue().rstrip() or "(no output: print() the values you need)"
 
 
-def plan_for(kind: str, columns: list[str]) -> str:
-    """The plan the warm start demonstrates for a templated question."""
-    return f"1. Use {' and '.join(columns)}. 2. Compute the {kind}."
+def teacher(task: DABenchTask) -> tuple[str, str]:
+    """The plan and the line of code the warm start demonstrates for a templated question (and validates against)."""
+    cols, kind = task_columns(task), task.concepts[0]
+    op, quantile = count_condition(task.question) if kind == "count" else (">", None)
+    return f"1. Use {' and '.join(cols)}. 2. Compute the {kind}.", code_for(kind, cols, quantile, op)
 
 
 def warm_start_examples(tasks: list[DABenchTask], python_tool: Any, *, noise: float, seed: int) -> list[SFTExample]:
@@ -167,13 +169,10 @@ def warm_start_examples(tasks: list[DABenchTask], python_tool: Any, *, noise: fl
     for task in tasks:
         t = to_task(task)
         state = dict(t.input)
-        cols = task_columns(task)
-        kind = task.concepts[0]
-        plan = plan_for(kind, cols)
+        cols, kind = task_columns(task), task.concepts[0]
+        plan, code = teacher(task)
         examples.append(SFTExample(messages=to_hf_messages(planner_prompt(state)), reply=plan))
         state["plan"] = plan
-        op, quantile = count_condition(task.question) if kind == "count" else (">", None)
-        code = code_for(kind, cols, quantile, op)
         call = {"name": python_tool.name, "arguments": {"code": code}}
         code_slip = rng.random() < noise  # no tool call: nothing runs, so there is no value to answer from
         reply = (f"I will compute the {kind} of {cols[0]} with pandas." if code_slip
@@ -201,14 +200,12 @@ def coder_skill(base: str, tasks: list[DABenchTask], python_tool: Any) -> float:
     tools = [convert_to_openai_tool(python_tool)]
     right = 0
     for task in tasks:
-        state = dict(to_task(task).input)
-        cols, kind = task_columns(task), task.concepts[0]
-        state["plan"] = plan_for(kind, cols)
-        op, quantile = count_condition(task.question) if kind == "count" else (">", None)
+        plan, code = teacher(task)
+        state = {**to_task(task).input, "plan": plan}
         prompt = policies.render(to_hf_messages(coder_prompt(state)), tools=tools)
         out = policies.sample(None, prompt, max_new_tokens=MAX_NEW_TOKENS["coder"], do_sample=False)
         reply = policies.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
-        right += json.dumps(code_for(kind, cols, quantile, op)) in reply
+        right += json.dumps(code) in reply
     return right / len(tasks) if tasks else 0.0
 
 

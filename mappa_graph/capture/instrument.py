@@ -208,7 +208,7 @@ class _Job:
 def _work(jobs: queue.SimpleQueue[Any], errors: deque[BaseException], gate: ModelGate) -> None:
     """The worker thread: run jobs in order until a None, keeping the errors of those that failed. The first
     job of a batch waits at the gate; the ones queued behind it run at once."""
-    mark_background()
+    mark_background(gate)
     ready = False
     while True:
         try:

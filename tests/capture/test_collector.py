@@ -165,7 +165,8 @@ def test_content_blocks_in_a_trace_are_copies_of_the_apps_own() -> None:
 
 def test_the_background_writer_gives_the_gil_back_while_building(monkeypatch) -> None:
     """A worker thread that holds the GIL through a whole build makes a graph thread waking from a model call
-    wait for it (see capture/courtesy.py): the build yields every few events, on the worker only."""
+    wait for it (see capture/courtesy.py): the build yields every few events, on the worker only, and not
+    while someone waits for it (each yield sleeps the timer slack, 50 us, and a flush() paid them all)."""
     import threading
 
     from mappa_graph.capture import courtesy
@@ -178,7 +179,11 @@ def test_the_background_writer_gives_the_gil_back_while_building(monkeypatch) ->
     app = instrument(build_graph().compile())
     app.invoke(task_input(2))
     app.flush()
+    assert sleeps == []  # built while flush() waited: no one to give way to
+    app.invoke(task_input(3))
+    threading.Event().wait(app._worker.gate.patience + 0.5)  # no model call comes: built after its patience
     assert len(sleeps) >= 5 and set(sleeps) == {"mappa-trace"}  # 22 events: a yield every 4
+    app.flush()
 
 
 @pytest.mark.filterwarnings("ignore::langgraph.warnings.LangGraphDeprecatedSinceV10")

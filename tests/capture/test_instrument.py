@@ -684,6 +684,25 @@ def test_what_the_caller_changes_after_a_call_does_not_change_its_episode() -> N
     assert episode.actions[-1].output_message["content"] == reply
 
 
+def test_the_caller_editing_a_returned_replys_tool_call_or_content_blocks_leaves_its_episode() -> None:
+    """What the call returned is frozen as it ends; a message's nested parts (a tool call's arguments, a list
+    of content blocks) are the app's objects too, and editing them in place must not reach the episode."""
+    from langchain_core.messages import AIMessage
+
+    from tests.fakes import ScriptedChatModel
+
+    blocks = lambda messages: AIMessage([{"type": "text", "text": "blocks"}])  # noqa: E731
+    app = instrument(build_graph(planner_model=ScriptedChatModel(script=blocks)).compile())
+    out = app.invoke(task_input(3))
+    asked = next(m for m in out["messages"] if getattr(m, "tool_calls", None))
+    asked.tool_calls[0]["args"]["a"] = -1
+    out["messages"][1].content[0]["text"] = "EDITED"
+    episode = app.last_episode
+    final = episode.final_state["messages"]
+    assert final[1]["content"] == [{"type": "text", "text": "blocks"}]
+    assert [m["tool_calls"][0]["args"] for m in final if m.get("tool_calls")] == [{"a": 3, "b": 100}]
+
+
 def test_a_caller_still_filling_the_returned_state_loses_no_episode() -> None:
     """A caller that keeps growing a dict it got back while the writer converted it made the build fail
     ("dictionary changed size during iteration"): the episode was lost and flush() raised it."""

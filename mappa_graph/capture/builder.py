@@ -71,6 +71,8 @@ def freeze(*values: Any) -> Frozen:
 
 
 def _freeze(value: Any, memo: Frozen, depth: int) -> Any:
+    """`value` as JSON, each container and message converted once (`memo`). It runs on the graph's thread, so
+    the scalars and messages inside a container are handled in place, not by another call of this function."""
     kind = type(value)
     if kind in JSON_SCALARS:
         return value
@@ -80,9 +82,19 @@ def _freeze(value: Any, memo: Frozen, depth: int) -> Any:
     if isinstance(value, BaseMessage):
         converted: Any = _message_frozen(value)
     elif kind is dict and depth < 32:
-        converted = {str(k): _freeze(v, memo, depth + 1) for k, v in value.items()}
+        converted = {str(k): v if type(v) in JSON_SCALARS else _freeze(v, memo, depth + 1)
+                     for k, v in value.items()}
     elif (kind is list or kind is tuple) and depth < 32:
-        converted = [_freeze(v, memo, depth + 1) for v in value]
+        converted = []
+        for item in value:
+            if type(item) in JSON_SCALARS:
+                converted.append(item)
+            elif isinstance(item, BaseMessage) and id(item) not in memo:
+                message = _message_frozen(item)
+                memo[id(item)] = (item, message)
+                converted.append(message)
+            else:
+                converted.append(_freeze(item, memo, depth + 1))
     else:
         converted = to_jsonable(value)  # new JSON: a pydantic model's dump, a dataclass's fields, a repr
     memo[id(value)] = (value, converted)

@@ -12,7 +12,9 @@ A yield is not free on the worker: `time.sleep(0)` sleeps for the thread's timer
 Linux), which is what gives a waiting thread time to take the GIL. While someone waits for the worker's job
 (`flush()`, a store read, `run_episode`: the gate is `hurried`) the worker does not yield: the one who waits
 is not running, and yielding made it wait longer. Measured on the 3-node benchmark graph: one job, six
-yields, took 0.73 ms of wall time for 0.18 ms of CPU, all of it paid by the `flush()` that waited for it.
+yields, took 0.73 ms of wall time for 0.18 ms of CPU, all of it paid by the `flush()` that waited for it. A
+graph running on another thread meanwhile (rollouts in threads, each waiting for its own episode) waits for
+the GIL for at most that one job's CPU time, or the interpreter's switch interval if sooner.
 """
 
 from __future__ import annotations

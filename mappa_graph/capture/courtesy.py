@@ -99,7 +99,7 @@ class ModelGate:
 
     @contextmanager
     def hurried(self) -> Iterator[None]:
-        """While it lasts, the writer does not wait at the gate."""
+        """While it lasts, the writer neither waits at the gate nor yields the GIL (see `yield_gil`)."""
         with self._lock:
             self.hurry += 1
         self.open()

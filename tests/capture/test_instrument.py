@@ -741,3 +741,65 @@ def test_a_caller_still_filling_the_returned_state_loses_no_episode() -> None:
         assert len(app.last_episode.final_state["cache"]) == 20000
         assert app.last_episode.actions[0].node_output["cache"]["k7"] == [7, {"v": 7}]
     assert len(app.episodes) == 3
+
+
+def test_a_waiter_runs_the_job_the_writer_has_not_started_itself(tmp_path) -> None:
+    """flush() right after a call: the writer is still at its gate (no model call since), so flush() builds and
+    stores the episode on its own thread instead of waiting for the writer's wake-ups."""
+    import threading
+
+    stored_on: list[str] = []
+
+    class Watched(TraceStore):
+        def add_episode(self, episode):
+            super().add_episode(episode)
+            stored_on.append(threading.current_thread().name)
+
+    app = instrument(build_graph().compile(), store=Watched(tmp_path / "t.db"))
+    app._worker.gate.patience = 60.0  # the writer would hold the job at its gate for a minute
+    app.invoke(task_input(0))
+    app.invoke(task_input(1))  # its model calls let the writer store the first episode
+    app.flush()
+    assert stored_on == ["mappa-trace", threading.current_thread().name]
+    assert [e.input["messages"][0]["content"] for e in app.episodes] == ["solve task-0", "solve task-1"]
+
+
+def test_a_job_run_by_a_waiter_still_runs_after_the_one_queued_before_it() -> None:
+    import threading
+
+    app = instrument(build_graph().compile())
+    app.invoke(task_input(0))
+    app.flush()
+    release, ran = threading.Event(), []
+    app._worker.submit(lambda: (release.wait(), ran.append(("first", threading.current_thread().name))))
+    app._worker.submit(lambda: ran.append(("second", threading.current_thread().name)))
+    flushing = threading.Thread(target=app.flush, name="flusher")
+    flushing.start()  # claims the second job (the writer is busy with the first) and waits for the first
+    flushing.join(0.3)
+    assert flushing.is_alive() and ran == []
+    release.set()
+    flushing.join(10)
+    assert not flushing.is_alive()
+    assert ran == [("first", "mappa-trace"), ("second", "flusher")]
+
+
+def test_a_job_run_by_a_waiter_may_read_the_store_it_writes(tmp_path) -> None:
+    """A store whose write reads the store (its reads wait for the graph's queued episodes): on the writer
+    thread it never waited for itself, nor may it on the thread that runs the job in flush()'s place."""
+    import threading
+
+    counts: list[int] = []
+
+    class Counting(TraceStore):
+        def add_episode(self, episode):
+            super().add_episode(episode)
+            counts.append(self.count("episodes"))
+
+    app = instrument(build_graph().compile(), store=Counting(tmp_path / "t.db"))
+    app._worker.gate.patience = 60.0
+    app.invoke(task_input(0))
+    flushing = threading.Thread(target=app.flush, daemon=True)
+    flushing.start()
+    flushing.join(10)
+    assert not flushing.is_alive(), "flush() waited for the job it was running"
+    assert counts == [1]

@@ -98,11 +98,13 @@ class ModelGate:
             self._open.release()
 
     @contextmanager
-    def hurried(self) -> Iterator[None]:
-        """While it lasts, the writer neither waits at the gate nor yields the GIL (see `yield_gil`)."""
+    def hurried(self, wake: bool = True) -> Iterator[None]:
+        """While it lasts, the writer neither waits at the gate nor yields the GIL (see `yield_gil`); `wake`
+        also lets it go from the gate now (not for a job run in another thread's place)."""
         with self._lock:
             self.hurry += 1
-        self.open()
+        if wake:
+            self.open()
         try:
             yield
         finally:

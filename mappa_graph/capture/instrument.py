@@ -15,17 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextvars
 import functools
 import logging
 import os
 import pickle
 import queue
+import signal
 import threading
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent.futures import Executor
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -129,8 +131,8 @@ class _TraceWorker(Executor):
         return job
 
     def flush(self) -> None:
-        if threading.current_thread() is self._thread or getattr(_running, "gate", None) is self.gate:
-            return  # a job that reads the store: waiting for itself would never return
+        if self.gate in _gates_here():
+            return  # a job of this worker's that reads the store: waiting for itself would never return
         last = self._last
         if last is not None:
             last.exception()  # hurries the gate
@@ -159,7 +161,39 @@ class _TraceWorker(Executor):
                     thread.join()
 
 
-_running = threading.local()  # `gate`: the gate of the worker whose job this thread runs in place, if any
+_running = threading.local()
+
+
+def _gates_here() -> list[ModelGate]:
+    """The gates of the workers whose jobs this thread is running (its own worker's, on a writer thread; a
+    job's, while it runs one in place), innermost last: a flush() from inside one of them returns at once."""
+    gates = getattr(_running, "gates", None)
+    if gates is None:
+        gates = _running.gates = []
+    return gates
+
+
+@contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """On the main thread, a Ctrl-C that comes while a job runs in place is raised once the job is done: cut
+    short, the job lost its episode (and left a store's transaction open) where on the writer thread it would
+    have finished. Elsewhere, or where Python does not own SIGINT's handler, nothing to hold."""
+    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if previous is None:
+        yield
+        return
+    came: list[bool] = []
+    try:
+        signal.signal(signal.SIGINT, lambda signum, frame: came.append(True))
+    except ValueError:  # not the main interpreter
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if came:
+            signal.raise_signal(signal.SIGINT)  # to the handler it was meant for
 
 
 class _Job:
@@ -168,10 +202,12 @@ class _Job:
     the job has run is all the waiting needs. It keeps no result (the episode reaches its collector, the kept
     episodes and the store), nor, once run, its work, so a job that is still referenced holds no episode alive.
 
-    Whoever waits for a job the worker has not started runs it in place (`claim`): a `flush()` right after a
-    call then costs the job's own CPU, not the worker's two wake-ups (from the queue, then at the gate) before
-    it, measured at 125 us on the 3-node benchmark graph, and the job runs on the thread whose caches hold its
-    events. Jobs still run one at a time and in order: each runs only once the one queued before it is done."""
+    Whoever waits for a job the worker has not started, once the job before it is done, runs it in place
+    (`claim`): a `flush()` right after a call then costs the job's own CPU, not the worker's two wake-ups (from
+    the queue, then at the gate) before it, measured at 125 us on the 3-node benchmark graph, and the job runs
+    on the thread whose caches hold its events. It runs as on the writer: in a context of its own (a model
+    call the store makes is not the waiter's call's), and to the end (see _interrupts_held). Jobs still run
+    one at a time and in order: each runs only once the one queued before it is done."""
 
     __slots__ = ("_done", "_claimed", "_error", "_errors", "_gate", "_work", "_before")
 
@@ -191,36 +227,56 @@ class _Job:
 
     def run(self) -> None:
         """Called once, by the thread that claimed the job, after the job before it is done; a failure joins
-        the worker's errors before the job counts as done, so a flush() that waited for it sees it."""
+        the worker's errors before the job counts as done, so a flush() that waited for it sees it. Nothing of
+        the job is left in this frame, which a failure's traceback keeps (with the job before, the one before
+        that, and so on, had each failed)."""
         before, self._before = self._before, None
         work, self._work = self._work, None
         try:
             if before is not None:
                 before._wait()
+                before = None
             fn, args, kwargs = work  # type: ignore[misc]  # set until run, and run once
-            del work
+            work = None
             fn(*args, **kwargs)
         except BaseException as error:  # noqa: BLE001 - handed to flush(), which re-raises it
             self._error = error
             self._errors.append(error)
         finally:
+            before = work = fn = args = kwargs = None  # noqa: F841 - see the docstring
             self._done.release()
 
     def _wait(self, timeout: float | None = None) -> bool:
-        done = self._done.acquire(timeout=-1 if timeout is None else timeout)
+        if timeout is None:
+            with self._done:  # an interrupt cannot leave it taken
+                return True
+        done = self._done.acquire(timeout=timeout)
         if done:
             self._done.release()
         return done
 
+    def _run_in_place(self) -> None:
+        """Claimed before the gate is hurried, so a writer held at the gate with this job does not wake to
+        race for it (nor to take the GIL from the build here); hurried, so the store write does not wait there
+        for a model call."""
+        with _interrupts_held():
+            if not self.claim():
+                return  # the worker took it first
+            gates = _gates_here()
+            gates.append(self._gate)
+            try:
+                with self._gate.hurried(wake=False):
+                    contextvars.Context().run(self.run)
+            finally:
+                gates.pop()
+
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        before = self._before
+        if timeout is None and self._work is not None and (before is None or not before._done.locked()):
+            self._run_in_place()  # the job before is done, this one not started: run it here, now
+        del before
         with self._gate.hurried():
-            if timeout is None and self.claim():  # not started by the worker: run here, now
-                _running.gate = self._gate
-                try:
-                    self.run()
-                finally:
-                    _running.gate = None
-            elif not self._wait(timeout):
+            if not self._wait(timeout):
                 raise TimeoutError(f"the trace writer did not finish this job within {timeout} s")
         return self._error
 
@@ -238,6 +294,7 @@ def _work(jobs: queue.SimpleQueue[_Job | None], gate: ModelGate) -> None:
     """The worker thread: run jobs in order until a None, skipping those a waiting thread claimed first. The
     first job of a batch waits at the gate; the ones queued behind it run at once."""
     mark_background(gate)
+    _gates_here().append(gate)  # its jobs' store reads must not wait for it (also once shutdown() forgot it)
     ready = False
     while True:
         try:

@@ -758,13 +758,19 @@ def test_a_waiter_runs_the_job_the_writer_has_not_started_itself(tmp_path) -> No
     app = instrument(build_graph().compile(), store=Watched(tmp_path / "t.db"))
     app._worker.gate.patience = 60.0  # the writer would hold the job at its gate for a minute
     app.invoke(task_input(0))
-    app.invoke(task_input(1))  # its model calls let the writer store the first episode
     app.flush()
-    assert stored_on == ["mappa-trace", threading.current_thread().name]
-    assert [e.input["messages"][0]["content"] for e in app.episodes] == ["solve task-0", "solve task-1"]
+    assert stored_on == [threading.current_thread().name]
+    assert [e.input["messages"][0]["content"] for e in app.episodes] == ["solve task-0"]
+    app._worker.gate.patience = 0.01
+    app.invoke(task_input(1))
+    app._worker._last._wait(10)  # no one waits: the writer stores it once its patience is over
+    app.flush()
+    assert stored_on == [threading.current_thread().name, "mappa-trace"]
 
 
-def test_a_job_run_by_a_waiter_still_runs_after_the_one_queued_before_it() -> None:
+def test_a_waiter_leaves_a_job_to_the_writer_while_the_one_before_it_runs() -> None:
+    """Jobs run in order: a flush() that comes while the writer runs the job before the last does not take the
+    last (it would wait holding it, and a Ctrl-C there lost it); it waits, and the writer runs both."""
     import threading
 
     app = instrument(build_graph().compile())
@@ -774,13 +780,13 @@ def test_a_job_run_by_a_waiter_still_runs_after_the_one_queued_before_it() -> No
     app._worker.submit(lambda: (release.wait(), ran.append(("first", threading.current_thread().name))))
     app._worker.submit(lambda: ran.append(("second", threading.current_thread().name)))
     flushing = threading.Thread(target=app.flush, name="flusher")
-    flushing.start()  # claims the second job (the writer is busy with the first) and waits for the first
+    flushing.start()
     flushing.join(0.3)
     assert flushing.is_alive() and ran == []
     release.set()
     flushing.join(10)
     assert not flushing.is_alive()
-    assert ran == [("first", "mappa-trace"), ("second", "flusher")]
+    assert ran == [("first", "mappa-trace"), ("second", "mappa-trace")]
 
 
 def test_a_job_run_by_a_waiter_may_read_the_store_it_writes(tmp_path) -> None:
@@ -803,3 +809,130 @@ def test_a_job_run_by_a_waiter_may_read_the_store_it_writes(tmp_path) -> None:
     flushing.join(10)
     assert not flushing.is_alive(), "flush() waited for the job it was running"
     assert counts == [1]
+
+
+def test_a_ctrl_c_during_a_job_run_in_place_is_raised_once_the_job_is_done() -> None:
+    """On the writer thread a Ctrl-C never cut a build short; run in flush()'s place on the main thread, it cut
+    the job (and its store write) in the middle and the episode was lost."""
+    import signal
+    import threading
+
+    assert threading.current_thread() is threading.main_thread()
+    app = instrument(build_graph().compile())
+    app.invoke(task_input(0))
+    app.flush()
+    app._worker.gate.patience = 60.0  # the writer holds the next job at its gate: flush() runs it here
+    ran: list[str] = []
+
+    def interrupted_job() -> None:
+        signal.raise_signal(signal.SIGINT)
+        for _ in range(1000):  # the handler would run on one of these steps
+            pass
+        ran.append(threading.current_thread().name)
+
+    app._worker.submit(interrupted_job)
+    with pytest.raises(KeyboardInterrupt):
+        app.flush()
+    assert ran == ["MainThread"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    app.flush()  # the interrupt is not kept as the job's failure
+
+
+def test_failed_writes_do_not_keep_each_other_alive(tmp_path) -> None:
+    """A failure's traceback keeps the frame that ran the job: it held the job before it, whose failure held
+    the one before that, so a store that kept failing kept every episode since."""
+    import weakref
+
+    alive: list[weakref.ref] = []
+
+    class Failing(TraceStore):
+        def add_episode(self, episode):
+            alive.append(weakref.ref(episode))
+            raise OSError("disk full")
+
+    app = instrument(build_graph().compile(), store=Failing(tmp_path / "t.db"))
+    for n in range(20):
+        app.invoke(task_input(n))
+        with pytest.raises(OSError):
+            app.flush()
+    gc.collect()
+    assert len(alive) == 20 and sum(ref() is not None for ref in alive) <= 2
+
+
+def test_a_store_write_run_in_place_is_not_part_of_the_waiters_call() -> None:
+    """A sub-agent run with run_episode inside a node of an instrumented graph, its store asking a judge model
+    as it writes: run in the node's place, the judge's call joined the outer call's episode as an action."""
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    from tests.fakes import ScriptedChatModel
+
+    judge = ScriptedChatModel(script=lambda messages: AIMessage(content="score: 1"))
+
+    class Judging(TraceStore):
+        def add_episode(self, episode):
+            judge.invoke([HumanMessage("JUDGE this episode")])
+            super().add_episode(episode)
+
+    inner = instrument(build_graph().compile(), store=Judging(":memory:"), run="inner")
+
+    def delegate(state):
+        _, episode = inner.run_episode(task_input(7))
+        return {"messages": [AIMessage(content=f"delegated: {len(episode.actions)} actions")]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("delegate", delegate)
+    graph.add_edge(START, "delegate")
+    graph.add_edge("delegate", END)
+    _, episode = instrument(graph.compile(), run="outer").run_episode(task_input(1))
+    assert "JUDGE" not in str([action.model_dump() for action in episode.actions])
+    assert len(episode.actions) == 4  # the inner graph's four model and tool actions, through the configure hook
+
+
+def test_a_job_inside_another_graphs_job_run_in_place_still_knows_its_own() -> None:
+    """Two graphs on one store, whose write of graph a's episodes reads the store: a thread running a's job in
+    place flushes b on the way and runs b's job in place too; after it, it must still know it runs a's."""
+    import threading
+
+    class Audited(TraceStore):
+        def add_episode(self, episode):
+            super().add_episode(episode)
+            if episode.run == "a":
+                self.count("episodes")  # a read: waits for both graphs' queued episodes
+
+    store = Audited(":memory:")
+    b = instrument(build_graph().compile(), store=store, run="b")
+    a = instrument(build_graph().compile(), store=store, run="a")
+    for graph in (a, b):
+        graph.invoke(task_input(0))
+        graph.flush()
+    a._worker.gate.patience = b._worker.gate.patience = 60.0
+    b.invoke(task_input(1))
+    a.invoke(task_input(2))
+    flushing = threading.Thread(target=a.flush, daemon=True)
+    flushing.start()
+    flushing.join(10)
+    assert not flushing.is_alive(), "a's job waited for itself"
+    assert store.count("episodes") == 4
+
+
+def test_the_exit_drain_finishes_a_store_write_that_reads_the_store(tmp_path) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    db = tmp_path / "t.db"
+    script = (
+        "from mappa_graph import instrument, TraceStore\n"
+        "from tests.graphs import build_graph, task_input\n"
+        "class Counting(TraceStore):\n"
+        "    def add_episode(self, episode):\n"
+        "        super().add_episode(episode)\n"
+        "        self.count('episodes')\n"
+        f"app = instrument(build_graph().compile(), store=Counting({str(db)!r}))\n"
+        "app._worker.gate.patience = 60.0\n"
+        "app.invoke(task_input(0))\n"  # still queued at exit: the drain runs it on the writer
+    )
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", script], cwd=root, check=True, timeout=60)
+    assert TraceStore(db).count("episodes") == 1

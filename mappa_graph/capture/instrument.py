@@ -21,13 +21,12 @@ import logging
 import os
 import pickle
 import queue
-import signal
 import threading
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent.futures import Executor
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ from langchain_core.runnables import Runnable, RunnableConfig
 from ..traces import Episode
 from .collector import TraceCollector, abound_steps, bound, bound_steps
 from .courtesy import ModelGate, mark_background
+from .held_signals import Hold, signals_held
 from .paths import AgentResolver, AgentsSpec
 from .store import TraceStore
 
@@ -166,34 +166,11 @@ _running = threading.local()
 
 def _gates_here() -> list[ModelGate]:
     """The gates of the workers whose jobs this thread is running (its own worker's, on a writer thread; a
-    job's, while it runs one in place), innermost last: a flush() from inside one of them returns at once."""
+    job's, while it runs one in place), innermost last: see _TraceWorker.flush and InstrumentedGraph._settle."""
     gates = getattr(_running, "gates", None)
     if gates is None:
         gates = _running.gates = []
     return gates
-
-
-@contextmanager
-def _interrupts_held() -> Iterator[None]:
-    """On the main thread, a Ctrl-C that comes while a job runs in place is raised once the job is done: cut
-    short, the job lost its episode (and left a store's transaction open) where on the writer thread it would
-    have finished. Elsewhere, or where Python does not own SIGINT's handler, nothing to hold."""
-    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
-    if previous is None:
-        yield
-        return
-    came: list[bool] = []
-    try:
-        signal.signal(signal.SIGINT, lambda signum, frame: came.append(True))
-    except ValueError:  # not the main interpreter
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if came:
-            signal.raise_signal(signal.SIGINT)  # to the handler it was meant for
 
 
 class _Job:
@@ -206,7 +183,7 @@ class _Job:
     (`claim`): a `flush()` right after a call then costs the job's own CPU, not the worker's two wake-ups (from
     the queue, then at the gate) before it, measured at 125 us on the 3-node benchmark graph, and the job runs
     on the thread whose caches hold its events. It runs as on the writer: in a context of its own (a model
-    call the store makes is not the waiter's call's), and to the end (see _interrupts_held). Jobs still run
+    call the store makes is not the waiter's call's), and to the end (see signals_held). Jobs still run
     one at a time and in order: each runs only once the one queued before it is done."""
 
     __slots__ = ("_done", "_claimed", "_error", "_errors", "_gate", "_work", "_before")
@@ -225,25 +202,33 @@ class _Job:
     def claim(self) -> bool:
         return self._claimed.acquire(blocking=False)
 
-    def run(self) -> None:
-        """Called once, by the thread that claimed the job, after the job before it is done; a failure joins
-        the worker's errors before the job counts as done, so a flush() that waited for it sees it. Nothing of
-        the job is left in this frame, which a failure's traceback keeps (with the job before, the one before
-        that, and so on, had each failed)."""
-        before, self._before = self._before, None
-        work, self._work = self._work, None
-        try:
+    def run(self, held: Hold | None = None) -> None:
+        """Run by the thread that claimed the job, after the job before it is done; a failure joins the
+        worker's errors before the job counts as done, so a flush() that waited for it sees it. Only the job's
+        own work may be forced short (`held`, see signals_held). Nothing of the job is left in this frame,
+        which a failure's traceback keeps (with the job before, the one before that, and so on, had each
+        failed)."""
+        before = work = fn = args = kwargs = None
+        try:  # from the first step: whatever cuts it short, the job ends done
+            before, self._before = self._before, None
+            work, self._work = self._work, None
+            if work is None:  # a run cut short before it began the work: run again only to end it
+                raise RuntimeError("mappa_graph: a trace job was interrupted before it ran; its episode is lost")
             if before is not None:
                 before._wait()
                 before = None
-            fn, args, kwargs = work  # type: ignore[misc]  # set until run, and run once
+            fn, args, kwargs = work
             work = None
-            fn(*args, **kwargs)
+            if held is None:
+                fn(*args, **kwargs)
+            else:
+                with held.forcible():
+                    fn(*args, **kwargs)
         except BaseException as error:  # noqa: BLE001 - handed to flush(), which re-raises it
             self._error = error
             self._errors.append(error)
         finally:
-            before = work = fn = args = kwargs = None  # noqa: F841 - see the docstring
+            before = work = fn = args = kwargs = None  # see the docstring
             self._done.release()
 
     def _wait(self, timeout: float | None = None) -> bool:
@@ -258,17 +243,24 @@ class _Job:
     def _run_in_place(self) -> None:
         """Claimed before the gate is hurried, so a writer held at the gate with this job does not wake to
         race for it (nor to take the GIL from the build here); hurried, so the store write does not wait there
-        for a model call."""
-        with _interrupts_held():
-            if not self.claim():
-                return  # the worker took it first
+        for a model call. Once claimed, the job is this thread's alone: whatever cuts its run short, it ends
+        done (run again, at worst to fail), or every later wait for it would hang."""
+        with signals_held() as held:
             gates = _gates_here()
-            gates.append(self._gate)
+            depth = len(gates)
             try:
-                with self._gate.hurried(wake=False):
-                    contextvars.Context().run(self.run)
+                if not self.claim():
+                    return  # the worker took it first
+                try:
+                    gates.append(self._gate)
+                    with self._gate.hurried(wake=False):
+                        contextvars.Context().run(self.run, held)
+                finally:
+                    while self._done.locked():
+                        with self._gate.hurried(wake=False):
+                            contextvars.Context().run(self.run, held)
             finally:
-                gates.pop()
+                del gates[depth:]
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         before = self._before
@@ -294,7 +286,7 @@ def _work(jobs: queue.SimpleQueue[_Job | None], gate: ModelGate) -> None:
     """The worker thread: run jobs in order until a None, skipping those a waiting thread claimed first. The
     first job of a batch waits at the gate; the ones queued behind it run at once."""
     mark_background(gate)
-    _gates_here().append(gate)  # its jobs' store reads must not wait for it (also once shutdown() forgot it)
+    _gates_here().append(gate)  # its jobs' store reads wait for no writer (also once shutdown() forgot it)
     ready = False
     while True:
         try:
@@ -411,7 +403,7 @@ class InstrumentedGraph(Runnable[Any, Any]):
         self._episodes_lock = threading.Lock()
         self._worker = _TraceWorker() if background else None
         if store is not None and self._worker is not None:
-            store.attach_writer(self.flush)  # the store's reads wait for this graph's queued episodes
+            store.attach_writer(self._settle)  # the store's reads wait for this graph's queued episodes
 
     # ---- episode plumbing -----------------------------------------------------------------------------
     def _collector(self, keep: bool, breakpoints: bool = False) -> TraceCollector:
@@ -454,9 +446,19 @@ class InstrumentedGraph(Runnable[Any, Any]):
         return self.store.prepare_write(episode) if self.store is not None else None
 
     def flush(self) -> None:
-        """Wait until every finished call's Episode is built and stored; re-raises a failed store write."""
+        """Wait until every finished call's Episode is built and stored; re-raises a failed store write.
+
+        From inside one of this graph's own trace jobs (a store write that reads the store) it returns at once:
+        the job would wait for itself."""
         if self._worker is not None:
             self._worker.flush()
+
+    def _settle(self) -> None:
+        """What the store's reads wait for: flush(), except from inside any trace job (a store write that
+        reads the store, on a writer thread or run in a waiter's place), which reads what is stored. Two graphs
+        on one store whose writes read it would otherwise each wait, inside its job, for the other's."""
+        if not _gates_here():
+            self.flush()
 
     @property
     def episodes(self) -> list[Episode]:

@@ -3,7 +3,8 @@
 Each row keeps the full pydantic JSON plus the columns queries filter on, so the schema can grow without
 migrations of the payload. Every write is one transaction: an episode lands with all its actions or not at all.
 An instrumented graph writing here from its background thread is attached (`attach_writer`): reads wait for the
-episodes it still holds, so a call that has returned is always in the store.
+episodes it still holds, so a call that has returned is always in the store (a read made inside a trace job, a
+store write that reads the store, reads what is in: see InstrumentedGraph._settle).
 """
 
 from __future__ import annotations
@@ -136,7 +137,8 @@ class TraceStore:
     def attach_writer(self, flush: Callable[[], None]) -> None:
         """Register the `flush` of something that writes here from a background thread (an instrumented graph):
         every read, and every write that refers to stored episodes (rewards, outcomes), first waits for what it
-        still holds, so an episode whose call has returned is always there. Held weakly."""
+        still holds, so an episode whose call has returned is always there. Held weakly; the callable decides
+        when not to wait (an instrumented graph's, inside a trace job)."""
         self._writers.append(weakref.WeakMethod(flush))  # type: ignore[arg-type]
 
     def _settle(self) -> None:

@@ -164,12 +164,15 @@ def test_the_writers_gate_opens_for_a_model_call_a_waiter_or_its_patience() -> N
     assert 0.15 < waited(gate, model_starts) < 10
     gate.models = 0
 
+    flushed = threading.Event()
+
     def flush() -> None:
         with gate.hurried():
             time.sleep(0.5)
+        flushed.set()
 
     assert 0.15 < waited(gate, flush) < 10
-    time.sleep(0.5)  # that flush is over: waiting again
+    assert flushed.wait(10)  # that flush is over (not a sleep as long as it: on a busy machine it ended later)
     gate.patience = 0.3
     assert 0.25 < waited(gate) < 10  # nothing opened it: its patience
     started = time.monotonic()

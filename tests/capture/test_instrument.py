@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from contextlib import suppress
 from datetime import date
 
 import pytest
@@ -895,7 +896,8 @@ def test_a_store_write_run_in_place_is_not_part_of_the_waiters_call() -> None:
 
 def test_a_job_inside_another_graphs_job_run_in_place_still_knows_its_own() -> None:
     """Two graphs on one store, whose write of graph a's episodes reads the store: a thread running a's job in
-    place flushes b on the way and runs b's job in place too; after it, it must still know it runs a's."""
+    place reads from inside it. Once, it ran b's job in place on the way and then forgot it was inside a's; now
+    a read inside a job waits for no writer, and b's episode is in once the store is read from outside."""
     import threading
 
     class Audited(TraceStore):
@@ -940,3 +942,297 @@ def test_the_exit_drain_finishes_a_store_write_that_reads_the_store(tmp_path) ->
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", script], cwd=root, check=True, timeout=60)
     assert TraceStore(db).count("episodes") == 1
+
+
+def _held_job_app(steps):
+    """A graph whose writer holds its next job at the gate, and that job: flush() runs it on this thread."""
+    import threading
+
+    assert threading.current_thread() is threading.main_thread()
+    app = instrument(build_graph().compile())
+    app.invoke(task_input(0))
+    app.flush()
+    app._worker.gate.patience = 60.0
+    ran: list[str] = []
+
+    def job() -> None:
+        steps()
+        for _ in range(1000):  # a Python handler would run on one of these steps
+            pass
+        ran.append(threading.current_thread().name)
+
+    app._worker.submit(job)
+    return app, ran
+
+
+def test_one_ctrl_c_during_a_job_run_in_place_reaches_an_asyncio_loops_handler_once() -> None:
+    """asyncio's add_signal_handler learns of a signal from the wakeup fd, which the signal itself writes:
+    raising the held Ctrl-C again after the job wrote it a second time, and the loop saw two."""
+    import signal
+
+    app, ran = _held_job_app(lambda: signal.raise_signal(signal.SIGINT))
+    outside = signal.getsignal(signal.SIGINT)
+    loop = asyncio.new_event_loop()
+    seen: list[int] = []
+    try:
+        loop.add_signal_handler(signal.SIGINT, seen.append, 1)
+        app.flush()
+        loop.run_until_complete(asyncio.sleep(0.2))
+        loop.remove_signal_handler(signal.SIGINT)
+    finally:
+        loop.close()
+        signal.signal(signal.SIGINT, outside)
+    assert ran == ["MainThread"]
+    assert seen == [1]
+
+
+def test_a_python_signal_handler_that_raises_waits_for_the_job_run_in_place() -> None:
+    """A server's SIGTERM handler that exits: run on the writer thread, the job finished and its episode was
+    stored; run in flush()'s place, the handler's exception cut it short and the episode was lost."""
+    import signal
+
+    def stop(signum, frame):
+        raise SystemExit(143)
+
+    app, ran = _held_job_app(lambda: signal.raise_signal(signal.SIGTERM))
+    outside = signal.signal(signal.SIGTERM, stop)
+    try:
+        with pytest.raises(SystemExit):
+            app.flush()
+        assert signal.getsignal(signal.SIGTERM) is stop
+    finally:
+        signal.signal(signal.SIGTERM, outside)
+    assert ran == ["MainThread"]
+    app.flush()
+
+
+def test_a_second_ctrl_c_cuts_a_job_run_in_place_short_and_leaves_no_job_hanging() -> None:
+    """The first Ctrl-C waits for the job; a second one (a store write that hangs) goes through at once, the
+    job fails with it, and later flushes and the next jobs go on."""
+    import signal
+    import threading
+
+    def twice() -> None:
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+
+    app, ran = _held_job_app(twice)
+    outside = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            app.flush()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, outside)
+    assert ran == []
+    app.invoke(task_input(1))
+    flushing = threading.Thread(target=app.flush, daemon=True)
+    flushing.start()
+    flushing.join(10)
+    assert not flushing.is_alive()
+    assert [e.input["messages"][0]["content"] for e in app.episodes][-1] == "solve task-1"
+
+
+def test_a_job_claimed_in_place_and_interrupted_before_it_starts_still_runs(monkeypatch) -> None:
+    """An interrupt between the claim and the job's start left the job claimed and never run: every later
+    flush(), and the exit drain, waited for it forever."""
+    import threading
+    from contextlib import contextmanager
+
+    from mappa_graph.capture.courtesy import ModelGate
+
+    app, ran = _held_job_app(lambda: None)
+    hurried = ModelGate.hurried
+
+    @contextmanager
+    def interrupted(gate, wake: bool = True):
+        if not wake:  # the in-place run's, right after its claim
+            monkeypatch.setattr(ModelGate, "hurried", hurried)
+            raise KeyboardInterrupt
+        with hurried(gate, wake):
+            yield
+
+    monkeypatch.setattr(ModelGate, "hurried", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        app.flush()
+    flushing = threading.Thread(target=app.flush, daemon=True)
+    flushing.start()
+    flushing.join(10)
+    assert not flushing.is_alive(), "the claimed job was never run"
+    assert ran == ["MainThread"]
+
+
+def test_two_graphs_on_one_store_whose_every_write_reads_it_run_from_two_threads() -> None:
+    """Each writer, inside its job, read the store, which waited for the other graph's last job: the other
+    writer's, inside its own job and waiting for this one's. A read from inside a trace job now reads what is
+    stored without waiting for any writer, so no two jobs can wait for each other."""
+    import threading
+
+    class Audited(TraceStore):
+        def add_episode(self, episode):
+            super().add_episode(episode)
+            self.count("episodes")
+
+    store = Audited(":memory:")
+    graphs = [instrument(build_graph().compile(), store=store, run=run) for run in ("a", "b")]
+    for graph in graphs:
+        graph._worker.gate.patience = 0.0
+
+    def calls(graph) -> None:
+        for n in range(40):
+            graph.invoke(task_input(n))
+
+    threads = [threading.Thread(target=calls, args=(graph,), daemon=True) for graph in graphs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "the graphs' calls hung"
+    done = threading.Thread(target=store.count, args=("episodes",), daemon=True)
+    done.start()
+    done.join(30)
+    assert not done.is_alive(), "the two writers wait for each other"
+    assert store.count("episodes") == 80
+
+
+def test_a_handler_that_counts_presses_sees_both_ctrl_cs_of_a_forced_job() -> None:
+    """A server's handler: the first Ctrl-C asks to stop gracefully, the second forces. Held, the first was
+    dropped once the second went through, so two presses read as one."""
+    import signal
+
+    presses: list[str] = []
+
+    def graceful_then_force(signum, frame):
+        presses.append("force" if presses else "graceful")
+        if len(presses) > 1:
+            raise KeyboardInterrupt
+
+    def twice() -> None:
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+
+    app, ran = _held_job_app(twice)
+    outside = signal.signal(signal.SIGINT, graceful_then_force)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            app.flush()
+        assert signal.getsignal(signal.SIGINT) is graceful_then_force
+    finally:
+        signal.signal(signal.SIGINT, outside)
+    assert presses == ["graceful", "force"] and ran == []
+
+
+def test_stop_signals_that_came_during_a_job_run_in_place_all_reach_their_handlers() -> None:
+    """A Ctrl-C and a SIGTERM during the job: as without a job, both handlers run after it, the SIGTERM's
+    exit raised with the Ctrl-C as its context (only the first was raised, and the exit was lost)."""
+    import signal
+
+    def stop(signum, frame):
+        raise SystemExit(143)
+
+    def both() -> None:
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGTERM)
+
+    app, ran = _held_job_app(both)
+    outside = signal.signal(signal.SIGINT, signal.default_int_handler), signal.signal(signal.SIGTERM, stop)
+    try:
+        with pytest.raises(SystemExit) as raised:
+            app.flush()
+    finally:
+        signal.signal(signal.SIGINT, outside[0])
+        signal.signal(signal.SIGTERM, outside[1])
+    assert ran == ["MainThread"]
+    assert isinstance(raised.value.__context__, KeyboardInterrupt)
+
+
+def test_ctrl_c_pressed_over_and_over_during_a_job_run_in_place_leaves_nothing_held_or_hanging() -> None:
+    import signal
+    import threading
+
+    from mappa_graph.capture.instrument import _gates_here
+
+    def mashed() -> None:
+        for _ in range(5):
+            with suppress(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)
+                for _ in range(100):
+                    pass
+
+    app, ran = _held_job_app(mashed)
+    outside = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with suppress(KeyboardInterrupt):
+            app.flush()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, outside)
+    assert _gates_here() == []
+    app.invoke(task_input(1))
+    flushing = threading.Thread(target=app.flush, daemon=True)
+    flushing.start()
+    flushing.join(10)
+    assert not flushing.is_alive()
+    assert app.last_episode.input["messages"][0]["content"] == "solve task-1"
+
+
+def test_a_second_ctrl_c_in_a_nested_job_run_in_place_forces_the_inner_job() -> None:
+    """A store write that runs a judge graph's run_episode, whose own job runs in place too: two Ctrl-Cs in the
+    judge's store write force that write, as they would unnested."""
+    import signal
+
+    from mappa_graph.capture.instrument import _gates_here
+
+    finished: list[str] = []
+
+    class JudgeStore(TraceStore):
+        def add_episode(self, episode):
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+            for _ in range(1000):
+                pass
+            finished.append("judge write")
+
+    judge = instrument(build_graph().compile(), store=JudgeStore(":memory:"), run="judge")
+    judge._worker.gate.patience = 60.0
+
+    class Judging(TraceStore):
+        def add_episode(self, episode):
+            judge.run_episode(task_input(100))
+            finished.append("outer write")
+
+    app = instrument(build_graph().compile(), store=Judging(":memory:"))
+    app._worker.gate.patience = 60.0
+    app.invoke(task_input(1))
+    outside = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            app.flush()
+    finally:
+        signal.signal(signal.SIGINT, outside)
+    assert finished == [] and _gates_here() == []
+
+
+def test_a_store_write_reads_another_graphs_episode_once_it_is_in() -> None:
+    """A store write that calls an instrumented judge graph and reads its last episode: inside a trace job the
+    store's own reads do not wait for writers, but another graph's flush() still waits for its episode."""
+    import threading
+
+    judge = instrument(build_graph().compile(), run="judge")
+    seen: list[str | None] = []
+
+    class Judging(TraceStore):
+        def add_episode(self, episode):
+            judge.invoke(task_input(len(seen) + 100))
+            last = judge.last_episode
+            seen.append(None if last is None else last.input["messages"][0]["content"])
+            super().add_episode(episode)
+
+    app = instrument(build_graph().compile(), store=Judging(":memory:"))
+    for n in range(3):
+        app.invoke(task_input(n))
+    done = threading.Thread(target=app.flush, daemon=True)
+    done.start()
+    done.join(20)
+    assert not done.is_alive()
+    assert seen == ["solve task-100", "solve task-101", "solve task-102"]

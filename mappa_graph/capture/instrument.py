@@ -352,7 +352,8 @@ class InstrumentedGraph(Runnable[Any, Any]):
     hot path, while the graph waits for a model call (or within 0.1 s; see `ModelGate`);
     `episodes`, `last_episode`, `run_episode`, `flush()` and the store's own reads (`store.episodes()`,
     `count()`, rewards for a just-run episode) wait for it, so nothing is missed, and a failed write is raised
-    by whichever of them comes first.
+    by whichever of them comes first. (A store read made inside a trace job, by a store write that reads the
+    store, reads what is in: waiting there could wait for a job that waits for this one; see `_settle`.)
 
     It is a Runnable itself, so what LangChain builds on a Runnable records too: `with_config`, `with_retry`,
     `with_fallbacks`, `app | next_step`, `batch_as_completed`, `astream_log`, a tool made with `as_tool`. What

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from datetime import date
 
 import pytest
@@ -832,13 +832,8 @@ def test_a_ctrl_c_during_a_job_run_in_place_is_raised_once_the_job_is_done() -> 
         ran.append(threading.current_thread().name)
 
     app._worker.submit(interrupted_job)
-    outside = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background CI job ignores SIGINT
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            app.flush()
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    finally:
-        signal.signal(signal.SIGINT, outside)
+    with _handler(signal.SIGINT, signal.default_int_handler), pytest.raises(KeyboardInterrupt):
+        app.flush()
     assert ran == ["MainThread"]
     app.flush()  # the interrupt is not kept as the job's failure
 
@@ -944,6 +939,20 @@ def test_the_exit_drain_finishes_a_store_write_that_reads_the_store(tmp_path) ->
     assert TraceStore(db).count("episodes") == 1
 
 
+@contextmanager
+def _handler(signum: int, handler):
+    """`handler` for the block (a background CI job starts with SIGINT ignored, so a Ctrl-C raised nothing),
+    which the flush inside must leave in place."""
+    import signal
+
+    outside = signal.signal(signum, handler)
+    try:
+        yield
+        assert signal.getsignal(signum) is handler
+    finally:
+        signal.signal(signum, outside)
+
+
 def _held_job_app(steps):
     """A graph whose writer holds its next job at the gate, and that job: flush() runs it on this thread."""
     import threading
@@ -995,13 +1004,8 @@ def test_a_python_signal_handler_that_raises_waits_for_the_job_run_in_place() ->
         raise SystemExit(143)
 
     app, ran = _held_job_app(lambda: signal.raise_signal(signal.SIGTERM))
-    outside = signal.signal(signal.SIGTERM, stop)
-    try:
-        with pytest.raises(SystemExit):
-            app.flush()
-        assert signal.getsignal(signal.SIGTERM) is stop
-    finally:
-        signal.signal(signal.SIGTERM, outside)
+    with _handler(signal.SIGTERM, stop), pytest.raises(SystemExit):
+        app.flush()
     assert ran == ["MainThread"]
     app.flush()
 
@@ -1017,13 +1021,8 @@ def test_a_second_ctrl_c_cuts_a_job_run_in_place_short_and_leaves_no_job_hanging
         signal.raise_signal(signal.SIGINT)
 
     app, ran = _held_job_app(twice)
-    outside = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            app.flush()
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    finally:
-        signal.signal(signal.SIGINT, outside)
+    with _handler(signal.SIGINT, signal.default_int_handler), pytest.raises(KeyboardInterrupt):
+        app.flush()
     assert ran == []
     app.invoke(task_input(1))
     flushing = threading.Thread(target=app.flush, daemon=True)
@@ -1112,13 +1111,8 @@ def test_a_handler_that_counts_presses_sees_both_ctrl_cs_of_a_forced_job() -> No
         signal.raise_signal(signal.SIGINT)
 
     app, ran = _held_job_app(twice)
-    outside = signal.signal(signal.SIGINT, graceful_then_force)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            app.flush()
-        assert signal.getsignal(signal.SIGINT) is graceful_then_force
-    finally:
-        signal.signal(signal.SIGINT, outside)
+    with _handler(signal.SIGINT, graceful_then_force), pytest.raises(KeyboardInterrupt):
+        app.flush()
     assert presses == ["graceful", "force"] and ran == []
 
 
@@ -1135,13 +1129,9 @@ def test_stop_signals_that_came_during_a_job_run_in_place_all_reach_their_handle
         signal.raise_signal(signal.SIGTERM)
 
     app, ran = _held_job_app(both)
-    outside = signal.signal(signal.SIGINT, signal.default_int_handler), signal.signal(signal.SIGTERM, stop)
-    try:
-        with pytest.raises(SystemExit) as raised:
-            app.flush()
-    finally:
-        signal.signal(signal.SIGINT, outside[0])
-        signal.signal(signal.SIGTERM, outside[1])
+    with (_handler(signal.SIGINT, signal.default_int_handler), _handler(signal.SIGTERM, stop),
+          pytest.raises(SystemExit) as raised):
+        app.flush()
     assert ran == ["MainThread"]
     assert isinstance(raised.value.__context__, KeyboardInterrupt)
 
@@ -1160,13 +1150,8 @@ def test_ctrl_c_pressed_over_and_over_during_a_job_run_in_place_leaves_nothing_h
                     pass
 
     app, ran = _held_job_app(mashed)
-    outside = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with suppress(KeyboardInterrupt):
-            app.flush()
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    finally:
-        signal.signal(signal.SIGINT, outside)
+    with _handler(signal.SIGINT, signal.default_int_handler), suppress(KeyboardInterrupt):
+        app.flush()
     assert _gates_here() == []
     app.invoke(task_input(1))
     flushing = threading.Thread(target=app.flush, daemon=True)
@@ -1204,12 +1189,8 @@ def test_a_second_ctrl_c_in_a_nested_job_run_in_place_forces_the_inner_job() -> 
     app = instrument(build_graph().compile(), store=Judging(":memory:"))
     app._worker.gate.patience = 60.0
     app.invoke(task_input(1))
-    outside = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            app.flush()
-    finally:
-        signal.signal(signal.SIGINT, outside)
+    with _handler(signal.SIGINT, signal.default_int_handler), pytest.raises(KeyboardInterrupt):
+        app.flush()
     assert finished == [] and _gates_here() == []
 
 

@@ -13,6 +13,7 @@ itself retries a system call a signal interrupted (PEP 475).
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -36,7 +37,7 @@ class Hold:
     """The signals held on the main thread, and those that came meanwhile, in order.
 
     A second of the same signal that comes while the job's own work runs (`forcible()`, not the bookkeeping
-    around it) goes to the handler at once, the held one first, as "press Ctrl-C again to force" does: a store
+    around it) goes to its handler at once, after every signal held so far, as "press Ctrl-C again to force" does: a store
     write that hangs can still be stopped (the job fails with the handler's exception), and a handler that
     counts presses (graceful, then forced) sees both. Later ones go through too."""
 
@@ -50,9 +51,14 @@ class Hold:
         self.came.append(signum)
         if self.may_force and (signum in self.forced or self.came.count(signum) > 1):
             self.forced.add(signum)
-            now = [pending for pending in self.came if pending == signum]
-            self.came = [pending for pending in self.came if pending != signum]
-            _deliver([(pending, self.handlers[pending]) for pending in now], frame)
+            came, self.came = self.came, []  # one step, no handler between: a press meanwhile is held anew
+            _deliver(came, self, frame)  # all held so far, in the order they came
+
+    def handler(self, signum: int) -> Any:
+        """The handler a signal goes to now: the one held from it, or the one installed since (a handler
+        that installs another, as "press again to force" often does; or the job's own)."""
+        current = getsignal(signum)
+        return self.handlers[signum] if current == self.hold else current
 
     @contextmanager
     def forcible(self, may: bool = True) -> Iterator[None]:
@@ -69,8 +75,8 @@ _current: Hold | None = None  # the main thread's, while a hold lasts (only the 
 @contextmanager
 def signals_held() -> Iterator[Hold | None]:
     """Hold SIGINT, SIGTERM and SIGHUP where a Python handler has them (Ctrl-C's `default_int_handler`, a
-    server's, asyncio's), then hand each that came to that handler once the block ends: each once, in the
-    order they came, a handler's exception raised once the others have run, as the interpreter does. A loop
+    server's, asyncio's), then hand each that came to its handler once the block ends (the one it had, or one
+    installed since, see `Hold.handler`): each once, in the order they came, a handler's exception raised once the others have run, as the interpreter does. A loop
     that learns of signals from its wakeup fd (asyncio's `add_signal_handler`), which the signal itself already
     wrote, so sees each once. Signals at SIG_DFL or SIG_IGN are left alone, as is everything off the main
     thread (yields None). Nested, the inner block holds with the outer's `Hold`, its bookkeeping not forcible.
@@ -89,7 +95,11 @@ def signals_held() -> Iterator[Hold | None]:
             handler = getsignal(signum)
             if callable(handler):
                 held.handlers[signum] = handler
-                set_handler(signum, held.hold)
+                try:
+                    set_handler(signum, held.hold)
+                except ValueError:  # a subinterpreter's main thread: its handlers are not its own to change
+                    del held.handlers[signum]
+                    break
         yield held
     finally:
         held.may_force = False
@@ -97,7 +107,22 @@ def signals_held() -> Iterator[Hold | None]:
             _restore(list(held.handlers.items()), held.hold)
         finally:
             _current = None
-            _deliver([(signum, held.handlers[signum]) for signum in held.came])
+            _deliver(held.came, held)
+
+
+def _forget_in_child() -> None:
+    """A child forked inside a hold (multiprocessing's fork) gets the handlers back and none of the parent's
+    held signals: it may never leave the block that would have restored them."""
+    global _current
+    held, _current = _current, None
+    if held is not None:
+        held.came.clear()
+        _restore(list(held.handlers.items()), held.hold)
+        held.handlers.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _restore(handlers: list[tuple[int, Handler]], hold: Handler) -> None:
@@ -113,13 +138,17 @@ def _restore(handlers: list[tuple[int, Handler]], hold: Handler) -> None:
         _restore(rest, hold)
 
 
-def _deliver(signals: list[tuple[int, Handler]], frame: FrameType | None = None) -> None:
-    """Each signal to its handler in turn; one that raises still lets the next run, its exception the next's
-    context, as the interpreter runs each signal that came."""
+def _deliver(signals: list[int], held: Hold, frame: FrameType | None = None) -> None:
+    """Each signal to the handler it goes to now (see `Hold.handler`), in turn; one that raises still lets
+    the next run, its exception the next's context, as the interpreter runs each signal that came."""
     if not signals:
         return
-    (signum, handler), rest = signals[0], signals[1:]
+    signum, rest = signals[0], signals[1:]
     try:
-        handler(signum, frame)
+        handler = held.handler(signum)
+        if callable(handler):
+            handler(signum, frame)
+        elif handler == signal.SIG_DFL:
+            signal.raise_signal(signum)  # its default action, as it would have had
     finally:
-        _deliver(rest, frame)
+        _deliver(rest, held, frame)

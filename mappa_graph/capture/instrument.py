@@ -130,12 +130,18 @@ class _TraceWorker(Executor):
             self._queue.put(job)  # C-level, never waits: the worker takes no lock to get
         return job
 
-    def flush(self) -> None:
+    def flush(self, wait: bool = True) -> None:
+        """Every queued job done (`wait`), or, from inside another worker's job, only what this thread can
+        write itself now: the last job, if it has not started and the one before it is done. Waiting there
+        could wait for a job (another writer's, inside its own) that waits for this one."""
         if self.gate in _gates_here():
             return  # a job of this worker's that reads the store: waiting for itself would never return
         last = self._last
         if last is not None:
-            last.exception()  # hurries the gate
+            if wait:
+                last.exception()  # hurries the gate
+            else:
+                last.run_if_ready()
         errors = self._take_errors()
         for error in errors[1:]:
             log.error("mappa_graph: another episode failed to build or store: %r", error)
@@ -183,10 +189,11 @@ class _Job:
     (`claim`): a `flush()` right after a call then costs the job's own CPU, not the worker's two wake-ups (from
     the queue, then at the gate) before it, measured at 125 us on the 3-node benchmark graph, and the job runs
     on the thread whose caches hold its events. It runs as on the writer: in a context of its own (a model
-    call the store makes is not the waiter's call's), and to the end (see signals_held). Jobs still run
+    call the store makes is not the waiter's call's), and to the end unless a second Ctrl-C forces it (see
+    signals_held). Jobs still run
     one at a time and in order: each runs only once the one queued before it is done."""
 
-    __slots__ = ("_done", "_claimed", "_error", "_errors", "_gate", "_work", "_before")
+    __slots__ = ("_done", "_claimed", "_error", "_errors", "_gate", "_work", "_before", "_worked")
 
     def __init__(self, gate: ModelGate, errors: deque[BaseException], fn: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any], before: _Job | None) -> None:
@@ -198,6 +205,7 @@ class _Job:
         self._done.acquire()
         self._claimed = threading.Lock()  # taken by the one thread that runs the job
         self._error: BaseException | None = None
+        self._worked = False  # its work has run (to its end, or to its failure)
 
     def claim(self) -> bool:
         return self._claimed.acquire(blocking=False)
@@ -212,18 +220,23 @@ class _Job:
         try:  # from the first step: whatever cuts it short, the job ends done
             before, self._before = self._before, None
             work, self._work = self._work, None
-            if work is None:  # a run cut short before it began the work: run again only to end it
+            if work is None:  # run again to end a run that was cut short (see _run_in_place)
+                if self._worked:
+                    return
                 raise RuntimeError("mappa_graph: a trace job was interrupted before it ran; its episode is lost")
             if before is not None:
                 before._wait()
                 before = None
             fn, args, kwargs = work
             work = None
-            if held is None:
-                fn(*args, **kwargs)
-            else:
-                with held.forcible():
+            try:
+                if held is None:
                     fn(*args, **kwargs)
+                else:  # a press forced in forcible()'s exit, the work done, still fails the job: it was asked
+                    with held.forcible():
+                        fn(*args, **kwargs)
+            finally:
+                self._worked = True
         except BaseException as error:  # noqa: BLE001 - handed to flush(), which re-raises it
             self._error = error
             self._errors.append(error)
@@ -243,8 +256,8 @@ class _Job:
     def _run_in_place(self) -> None:
         """Claimed before the gate is hurried, so a writer held at the gate with this job does not wake to
         race for it (nor to take the GIL from the build here); hurried, so the store write does not wait there
-        for a model call. Once claimed, the job is this thread's alone: whatever cuts its run short, it ends
-        done (run again, at worst to fail), or every later wait for it would hang."""
+        for a model call. Once claimed, the job is this thread's alone: a run cut short is run again until the
+        job ends done (at worst failed), or every later wait for it would hang (see _end_here)."""
         with signals_held() as held:
             gates = _gates_here()
             depth = len(gates)
@@ -256,17 +269,33 @@ class _Job:
                     with self._gate.hurried(wake=False):
                         contextvars.Context().run(self.run, held)
                 finally:
-                    while self._done.locked():
-                        with self._gate.hurried(wake=False):
-                            contextvars.Context().run(self.run, held)
+                    self._end_here(held)
             finally:
                 del gates[depth:]
 
-    def exception(self, timeout: float | None = None) -> BaseException | None:
+    def _end_here(self, held: Hold | None) -> None:
+        """Run again, until it ends done, a claimed job whose run something cut short (a signal handler that
+        raised between two steps); the first such exception is raised once it is done."""
+        cut: BaseException | None = None
+        while self._done.locked():
+            try:
+                with self._gate.hurried(wake=False):
+                    contextvars.Context().run(self.run, held)
+            except BaseException as error:  # noqa: BLE001 - raised below, once the job is done
+                cut = cut or error
+        if cut is not None:
+            raise cut
+
+    def run_if_ready(self) -> None:
+        """Run it here, now, if it has not started and the job before it is done."""
         before = self._before
-        if timeout is None and self._work is not None and (before is None or not before._done.locked()):
-            self._run_in_place()  # the job before is done, this one not started: run it here, now
-        del before
+        if self._work is not None and (before is None or not before._done.locked()):
+            del before
+            self._run_in_place()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if timeout is None:
+            self.run_if_ready()
         with self._gate.hurried():
             if not self._wait(timeout):
                 raise TimeoutError(f"the trace writer did not finish this job within {timeout} s")
@@ -353,7 +382,7 @@ class InstrumentedGraph(Runnable[Any, Any]):
     `episodes`, `last_episode`, `run_episode`, `flush()` and the store's own reads (`store.episodes()`,
     `count()`, rewards for a just-run episode) wait for it, so nothing is missed, and a failed write is raised
     by whichever of them comes first. (A store read made inside a trace job, by a store write that reads the
-    store, reads what is in: waiting there could wait for a job that waits for this one; see `_settle`.)
+    store, does not wait for another thread's job: that job could be waiting for this one; see `_settle`.)
 
     It is a Runnable itself, so what LangChain builds on a Runnable records too: `with_config`, `with_retry`,
     `with_fallbacks`, `app | next_step`, `batch_as_completed`, `astream_log`, a tool made with `as_tool`. What
@@ -455,11 +484,12 @@ class InstrumentedGraph(Runnable[Any, Any]):
             self._worker.flush()
 
     def _settle(self) -> None:
-        """What the store's reads wait for: flush(), except from inside any trace job (a store write that
-        reads the store, on a writer thread or run in a waiter's place), which reads what is stored. Two graphs
-        on one store whose writes read it would otherwise each wait, inside its job, for the other's."""
-        if not _gates_here():
-            self.flush()
+        """What the store's reads wait for: flush(); from inside a trace job (a store write that reads the
+        store, on a writer thread or run in a waiter's place), only this graph's episode that the reading
+        thread can write itself now (see _TraceWorker.flush). Two graphs on one store whose writes read it
+        would otherwise each wait, inside its job, for the other's."""
+        if self._worker is not None:
+            self._worker.flush(wait=not _gates_here())
 
     @property
     def episodes(self) -> list[Episode]:

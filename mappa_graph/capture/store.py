@@ -4,7 +4,7 @@ Each row keeps the full pydantic JSON plus the columns queries filter on, so the
 migrations of the payload. Every write is one transaction: an episode lands with all its actions or not at all.
 An instrumented graph writing here from its background thread is attached (`attach_writer`): reads wait for the
 episodes it still holds, so a call that has returned is always in the store (a read made inside a trace job, a
-store write that reads the store, reads what is in: see InstrumentedGraph._settle).
+store write that reads the store, waits for no other thread's job: see InstrumentedGraph._settle).
 """
 
 from __future__ import annotations

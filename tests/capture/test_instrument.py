@@ -1217,3 +1217,73 @@ def test_a_store_write_reads_another_graphs_episode_once_it_is_in() -> None:
     done.join(20)
     assert not done.is_alive()
     assert seen == ["solve task-100", "solve task-101", "solve task-102"]
+
+
+def test_a_store_read_inside_a_job_writes_another_graphs_unstarted_episode_first() -> None:
+    """Inside graph a's store write, a judge graph on the same store runs and the write reads the judge's
+    episodes: skipping every writer there read 0 (nothing waits in a cycle: the judge's job had not started, so
+    the reading thread writes it itself)."""
+    seen: list[int] = []
+
+    class Judging(TraceStore):
+        def add_episode(self, episode):
+            super().add_episode(episode)
+            if episode.run == "a":
+                judge.invoke(task_input(100))
+                seen.append(len(self.episodes(run="judge")))
+
+    store = Judging(":memory:")
+    judge = instrument(build_graph().compile(), store=store, run="judge")
+    judge._worker.gate.patience = 60.0
+    a = instrument(build_graph().compile(), store=store, run="a")
+    a.invoke(task_input(0))
+    a.flush()
+    assert seen == [1]
+
+
+def test_a_handler_that_installs_the_forcing_one_forces_a_job_run_in_place() -> None:
+    """"Press again to force" where the first press's handler installs the second's: held, both presses went
+    to the first handler, and nothing was forced."""
+    import signal
+
+    log: list[str] = []
+
+    def force(signum, frame):
+        log.append("force")
+        raise KeyboardInterrupt
+
+    def graceful(signum, frame):
+        log.append("graceful")
+        signal.signal(signal.SIGINT, force)
+
+    def twice() -> None:
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+
+    app, ran = _held_job_app(twice)
+    outside = signal.signal(signal.SIGINT, graceful)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            app.flush()
+        assert signal.getsignal(signal.SIGINT) is force
+    finally:
+        signal.signal(signal.SIGINT, outside)
+    assert log == ["graceful", "force"] and ran == []
+
+
+def test_stop_signals_held_during_a_job_reach_their_handlers_in_the_order_they_came() -> None:
+    import signal
+
+    log: list[str] = []
+
+    def note(signum, frame):
+        log.append(signal.Signals(signum).name)
+
+    def steps() -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGINT):
+            signal.raise_signal(signum)
+
+    app, ran = _held_job_app(steps)
+    with _handler(signal.SIGINT, note), _handler(signal.SIGTERM, note):
+        app.flush()
+    assert log == ["SIGINT", "SIGTERM", "SIGINT"] and ran == ["MainThread"]

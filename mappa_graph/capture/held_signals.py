@@ -37,9 +37,9 @@ class Hold:
     """The signals held on the main thread, and those that came meanwhile, in order.
 
     A second of the same signal that comes while the job's own work runs (`forcible()`, not the bookkeeping
-    around it) goes to its handler at once, after every signal held so far, as "press Ctrl-C again to force" does: a store
-    write that hangs can still be stopped (the job fails with the handler's exception), and a handler that
-    counts presses (graceful, then forced) sees both. Later ones go through too."""
+    around it) goes to its handler at once, after every signal held so far, as "press Ctrl-C again to force"
+    does: a store write that hangs can still be stopped (the job fails with the handler's exception), and a
+    handler that counts presses (graceful, then forced) sees both. Later ones go through too."""
 
     def __init__(self) -> None:
         self.handlers: dict[int, Handler] = {}
@@ -76,10 +76,11 @@ _current: Hold | None = None  # the main thread's, while a hold lasts (only the 
 def signals_held() -> Iterator[Hold | None]:
     """Hold SIGINT, SIGTERM and SIGHUP where a Python handler has them (Ctrl-C's `default_int_handler`, a
     server's, asyncio's), then hand each that came to its handler once the block ends (the one it had, or one
-    installed since, see `Hold.handler`): each once, in the order they came, a handler's exception raised once the others have run, as the interpreter does. A loop
-    that learns of signals from its wakeup fd (asyncio's `add_signal_handler`), which the signal itself already
-    wrote, so sees each once. Signals at SIG_DFL or SIG_IGN are left alone, as is everything off the main
-    thread (yields None). Nested, the inner block holds with the outer's `Hold`, its bookkeeping not forcible.
+    installed since, see `Hold.handler`): each once, in the order they came, a handler's exception raised
+    once the others have run, as the interpreter does. A loop that learns of signals from its wakeup fd
+    (asyncio's `add_signal_handler`), which the signal itself already wrote, so sees each once. Signals at
+    SIG_DFL or SIG_IGN are left alone, as is everything off the main thread (yields None). Nested, the inner
+    block holds with the outer's `Hold`, its bookkeeping not forcible.
     """
     global _current
     if threading.current_thread() is not threading.main_thread():

@@ -190,8 +190,8 @@ class _Job:
     the queue, then at the gate) before it, measured at 125 us on the 3-node benchmark graph, and the job runs
     on the thread whose caches hold its events. It runs as on the writer: in a context of its own (a model
     call the store makes is not the waiter's call's), and to the end unless a second Ctrl-C forces it (see
-    signals_held). Jobs still run
-    one at a time and in order: each runs only once the one queued before it is done."""
+    signals_held). Jobs still run one at a time and in order: each runs only once the one queued before it is
+    done."""
 
     __slots__ = ("_done", "_claimed", "_error", "_errors", "_gate", "_work", "_before", "_worked")
 
@@ -262,20 +262,15 @@ class _Job:
             gates = _gates_here()
             depth = len(gates)
             try:
-                if not self.claim():
-                    return  # the worker took it first
-                try:
-                    gates.append(self._gate)
-                    with self._gate.hurried(wake=False):
-                        contextvars.Context().run(self.run, held)
-                finally:
+                gates.append(self._gate)
+                if self.claim():  # else the worker took it first
                     self._end_here(held)
             finally:
                 del gates[depth:]
 
     def _end_here(self, held: Hold | None) -> None:
-        """Run again, until it ends done, a claimed job whose run something cut short (a signal handler that
-        raised between two steps); the first such exception is raised once it is done."""
+        """Run the claimed job, and again, until it ends done, if something cut its run short (a signal
+        handler that raised between two steps); the first such exception is raised once it is done."""
         cut: BaseException | None = None
         while self._done.locked():
             try:
@@ -315,7 +310,7 @@ def _work(jobs: queue.SimpleQueue[_Job | None], gate: ModelGate) -> None:
     """The worker thread: run jobs in order until a None, skipping those a waiting thread claimed first. The
     first job of a batch waits at the gate; the ones queued behind it run at once."""
     mark_background(gate)
-    _gates_here().append(gate)  # its jobs' store reads wait for no writer (also once shutdown() forgot it)
+    _gates_here().append(gate)  # its jobs' store reads wait for no other thread's job (see InstrumentedGraph._settle)
     ready = False
     while True:
         try:

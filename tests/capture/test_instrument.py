@@ -816,22 +816,8 @@ def test_a_ctrl_c_during_a_job_run_in_place_is_raised_once_the_job_is_done() -> 
     """On the writer thread a Ctrl-C never cut a build short; run in flush()'s place on the main thread, it cut
     the job (and its store write) in the middle and the episode was lost."""
     import signal
-    import threading
 
-    assert threading.current_thread() is threading.main_thread()
-    app = instrument(build_graph().compile())
-    app.invoke(task_input(0))
-    app.flush()
-    app._worker.gate.patience = 60.0  # the writer holds the next job at its gate: flush() runs it here
-    ran: list[str] = []
-
-    def interrupted_job() -> None:
-        signal.raise_signal(signal.SIGINT)
-        for _ in range(1000):  # the handler would run on one of these steps
-            pass
-        ran.append(threading.current_thread().name)
-
-    app._worker.submit(interrupted_job)
+    app, ran = _held_job_app(lambda: signal.raise_signal(signal.SIGINT))
     with _handler(signal.SIGINT, signal.default_int_handler), pytest.raises(KeyboardInterrupt):
         app.flush()
     assert ran == ["MainThread"]

@@ -198,6 +198,7 @@ class EpisodeBuilder:
         self.routers: dict[str, _Router] = {}
         self.failed: list[tuple[_NodeRun, int, str]] = []  # failed node tasks: (task, its attempt, the error)
         self.root_seq = 0
+        self.paused = False  # a top-level task raised GraphInterrupt: the run paused
         self.root_last_step = -1
         self.episode: Episode | None = None
         self.root: int | None = None
@@ -388,6 +389,9 @@ class EpisodeBuilder:
                 action.node_output = self._output(command)
             elif issubclass(error.type, self._interrupt_type):
                 action.status = "interrupted"
+                # A task of this graph that raised it paused the run, even with no value to show: a subgraph's
+                # static breakpoint (the checkpoint's next task, when it can be read, is `paused_before`)
+                self.paused = self.paused or node_run.parent is None
                 action.node_output = {"interrupts": self._interrupts(error)}
                 self._mark(node_run, "interrupted", None, inner=False)
             else:
@@ -688,7 +692,7 @@ class EpisodeBuilder:
                 action.parent_id = None
         episode.actions = kept
         episode.interrupts = list(self.interrupts.values())
-        if episode.status != "error" and (episode.interrupts or episode.metadata.get("paused_before")):
+        if episode.status != "error" and (episode.interrupts or episode.metadata.get("paused_before") or self.paused):
             episode.status = "interrupted"
         return episode
 

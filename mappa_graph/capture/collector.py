@@ -24,6 +24,7 @@ from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.tracers.context import register_configure_hook
+from langgraph.errors import GraphInterrupt
 
 from ..traces import Episode
 from .builder import EpisodeBuilder, Event, Raised, freeze
@@ -124,7 +125,9 @@ class TraceCollector(BaseCallbackHandler):
     instrumented graph does with each episode as it is built (keep it, serialise it for its store): it runs with
     the garbage collector paused, so it must not block, and returns what to run once the pause is over (the
     store write) or None. `paused_before`, given a thread's checkpoint where a run ended, names the nodes it
-    goes on with if it stopped at a static breakpoint (the instrumented graph asks its graph's state).
+    goes on with if it stopped at a static breakpoint (the instrumented graph asks its graph's state): asked
+    as every run on a thread ends, or with `breakpoints=False` (a graph with no breakpoints of its own) only
+    after a run in which a node raised GraphInterrupt (a subgraph's breakpoint stops its parent's run too).
     `one_call=True` is a collector for a single call (the instrumented graph's): while that call runs, a model
     call or chain a node makes with callbacks of its own still reaches it and joins the node task that made it;
     a run that belongs to no task of the call is not recorded.
@@ -153,6 +156,7 @@ class TraceCollector(BaseCallbackHandler):
         keep_episodes: bool = True,
         recorder: Callable[[Episode], Callable[[], None] | None] | None = None,
         paused_before: Callable[[dict[str, Any]], list[str]] | None = None,
+        breakpoints: bool = True,
         one_call: bool = False,
     ) -> None:
         self.run = run
@@ -161,6 +165,8 @@ class TraceCollector(BaseCallbackHandler):
         self._context_token: Token[BaseCallbackHandler | None] | None = None
         self.recorder = recorder
         self.paused_before = paused_before
+        self.breakpoints = breakpoints
+        self._interrupted = False  # a run of this call raised GraphInterrupt: it may have paused in a subgraph
         self.keep_episodes = keep_episodes
         self.agents = agents if isinstance(agents, AgentResolver) else AgentResolver(agents)
         self.checkpointer = checkpointer
@@ -209,6 +215,8 @@ class TraceCollector(BaseCallbackHandler):
         run = run_id.int
         events = self._runs.get(run)
         if events is not None:
+            if isinstance(error, GraphInterrupt):
+                self._interrupted = True
             if events[0][1] == run:
                 self._close_root(events, "chain_error", run, Raised.of(error))
             else:
@@ -330,7 +338,8 @@ class TraceCollector(BaseCallbackHandler):
         extra: dict[str, Any] | None = None
         if thread is not None:
             extra = {"checkpoint_id": self._checkpoint_id(thread)}
-            if self.paused_before is not None and extra["checkpoint_id"] and kind == "chain_end":
+            if (self.paused_before is not None and (self.breakpoints or self._interrupted) and extra["checkpoint_id"]
+                    and kind == "chain_end"):
                 extra["paused_before"] = self.paused_before({**thread, "checkpoint_id": extra["checkpoint_id"]})
         if self.executor is not None:  # built later, on another thread: what the caller may change is read now
             frozen = freeze(events[0][4], payload) if kind == "chain_end" else freeze(events[0][4])

@@ -434,7 +434,7 @@ class InstrumentedGraph(Runnable[Any, Any]):
     def _collector(self, keep: bool, breakpoints: bool = False) -> TraceCollector:
         return TraceCollector(run=self.run, agents=self._resolver, recorder=self._record, executor=self._worker,
                               checkpointer=self._checkpointer, train_failed=self.train_failed_attempts,
-                              keep_episodes=keep, paused_before=self._paused_before if breakpoints else None,
+                              keep_episodes=keep, paused_before=self._paused_before, breakpoints=breakpoints,
                               one_call=True)
 
     def _paused_before(self, checkpoint: dict[str, Any]) -> list[str]:

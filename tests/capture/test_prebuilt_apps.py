@@ -636,3 +636,58 @@ def test_parallel_handoffs_record_what_the_supervisor_was_told() -> None:
     assert [r.output for r in first.tool_results if r.tool_call_id in told] == [
         told[r.tool_call_id] for r in first.tool_results if r.tool_call_id in told]
     assert all(r.output.startswith("Successfully transferred") for r in first.tool_results), first.tool_results
+
+
+def test_a_breakpoint_inside_a_worker_or_subgraph_is_a_paused_episode() -> None:
+    """A static breakpoint of a subgraph (a supervisor's create_react_agent worker compiled with
+    `interrupt_before=["tools"]`, a subgraph node compiled with `interrupt_after=`) pauses the whole run, as
+    the parent's own breakpoint does: its episode ended 'ok' with nothing to say where it stopped."""
+    from typing import TypedDict
+
+    from langchain_core.messages import AIMessage
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import START, StateGraph
+    from langgraph.prebuilt import create_react_agent
+    from langgraph_supervisor import create_supervisor
+
+    from tests.capture import apps
+    from tests.fakes import ScriptedChatModel
+
+    def researcher(messages):
+        found = apps.seen(messages, "search")
+        return AIMessage(f"found {found.content}") if found else apps.call("search", {"query": "q"}, "s-1")
+
+    def supervisor(messages):
+        if apps.seen(messages, "transfer_to_researcher"):
+            return AIMessage("done")
+        return apps.call("transfer_to_researcher", {}, "h-1")
+
+    def team():
+        worker = create_react_agent(ScriptedChatModel(script=researcher), [apps.search], name="researcher",
+                                    interrupt_before=["tools"])
+        return create_supervisor([worker], model=ScriptedChatModel(script=supervisor)).compile(checkpointer=InMemorySaver())
+
+    class State(TypedDict):
+        x: int
+
+    def nested():
+        inner = StateGraph(State)
+        inner.add_node("a", lambda state: {"x": state["x"] + 1})
+        inner.add_node("b", lambda state: {"x": state["x"] * 10})
+        inner.add_edge(START, "a")
+        inner.add_edge("a", "b")
+        outer = StateGraph(State)
+        outer.add_node("sub", inner.compile(interrupt_after=["a"]))
+        outer.add_edge(START, "sub")
+        return outer.compile(checkpointer=InMemorySaver())
+
+    for build, first, paused_node in ((team, apps.message_input(1), "researcher"), (nested, {"x": 1}, "sub")):
+        plain, app = build(), instrument(build())
+        config = {"configurable": {"thread_id": "t"}}
+        assert norm(app.invoke(first, config)) == norm(plain.invoke(first, config))
+        assert plain.get_state(config).next == (paused_node,)
+        paused = app.last_episode
+        assert (paused.status, paused.metadata.get("paused_before")) == ("interrupted", [paused_node]), build
+        assert norm(app.invoke(None, config)) == norm(plain.invoke(None, config))
+        done = app.last_episode
+        assert (done.status, "paused_before" in done.metadata) == ("ok", False), build

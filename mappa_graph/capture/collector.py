@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextvars import ContextVar, Token
 from typing import Any, Protocol
 from uuid import UUID
@@ -81,9 +81,14 @@ def bound_steps(collector: BaseCallbackHandler, steps: Iterator[Any]) -> Iterato
                 close()
 
 
-async def abound_steps(collector: BaseCallbackHandler, steps: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """`bound_steps` for an async stream (`astream`, `astream_events`)."""
+async def abound_steps(collector: BaseCallbackHandler, steps: AsyncIterator[Any],
+                       around: tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]] | None = None,
+                       ) -> AsyncIterator[Any]:
+    """`bound_steps` for an async stream (`astream`, `astream_events`); `around` is awaited before the first
+    step and after the stream ends, however it ends (the checkpoint reads of an async-only saver)."""
     try:
+        if around is not None:
+            await around[0]()
         while True:
             with bound(collector):
                 try:
@@ -93,9 +98,13 @@ async def abound_steps(collector: BaseCallbackHandler, steps: AsyncIterator[Any]
             yield step
     finally:
         aclose = getattr(steps, "aclose", None)
-        if aclose is not None:
-            with bound(collector):
-                await aclose()
+        try:
+            if aclose is not None:
+                with bound(collector):
+                    await aclose()
+        finally:
+            if around is not None:
+                await around[1]()
 
 
 class Pending(Protocol):
@@ -167,6 +176,12 @@ class TraceCollector(BaseCallbackHandler):
         self.paused_before = paused_before
         self.breakpoints = breakpoints
         self._interrupted = False  # a run of this call raised GraphInterrupt: it may have paused in a subgraph
+        # An async call on a saver that cannot read synchronously on the event loop's thread (AsyncSqliteSaver):
+        # the caller reads the start checkpoint before the call (`start_checkpoint`) and, once the call is
+        # over, the end one and where it paused (`aend`), which then hands the run's events on.
+        self.async_reads = False
+        self.start_checkpoint: str | None = None
+        self._deferred: list[tuple[list[Event], dict[str, Any], str, dict[str, Any]]] = []
         self.keep_episodes = keep_episodes
         self.agents = agents if isinstance(agents, AgentResolver) else AgentResolver(agents)
         self.checkpointer = checkpointer
@@ -327,7 +342,7 @@ class TraceCollector(BaseCallbackHandler):
         events: list[Event] = []
         if self.checkpointer is not None and metadata and metadata.get("thread_id") is not None:
             thread = {"thread_id": metadata["thread_id"], "checkpoint_ns": ""}
-            extra = {"checkpoint_id": self._checkpoint_id(thread)}
+            extra = {"checkpoint_id": self.start_checkpoint if self.async_reads else self._checkpoint_id(thread)}
             self._threads[run] = thread
         return events, extra
 
@@ -336,7 +351,10 @@ class TraceCollector(BaseCallbackHandler):
         episode. Runs of this root that report after this are dropped, as their episode is already built."""
         thread = self._threads.pop(run, None) if self._threads else None
         extra: dict[str, Any] | None = None
-        if thread is not None:
+        deferred = thread is not None and self.async_reads
+        if deferred:
+            extra = {}  # filled in by aend
+        elif thread is not None:
             extra = {"checkpoint_id": self._checkpoint_id(thread)}
             if (self.paused_before is not None and (self.breakpoints or self._interrupted) and extra["checkpoint_id"]
                     and kind == "chain_end"):
@@ -357,12 +375,34 @@ class TraceCollector(BaseCallbackHandler):
         runs = self._runs
         for event in events:
             runs.pop(event[1], None)
+        if deferred:
+            self._deferred.append((events, thread, kind, extra))  # type: ignore[arg-type]  # dicts when deferred
+            return
         self._submit(events)
+
+    async def aend(self, paused_before: Callable[[dict[str, Any]], Awaitable[list[str]]] | None = None) -> None:
+        """With `async_reads`, once the call is over: read the checkpoint its run left (and, with
+        `paused_before`, where it paused) with the saver's async methods, then hand the run's events on. The
+        events go on whatever the reads do, so the episode is never lost to them."""
+        deferred, self._deferred = self._deferred, []
+        for events, thread, kind, extra in deferred:
+            try:
+                found = await self.checkpointer.aget_tuple({"configurable": thread})
+                checkpoint = found.config["configurable"].get("checkpoint_id") if found is not None else None
+                extra["checkpoint_id"] = checkpoint
+                if (paused_before is not None and (self.breakpoints or self._interrupted) and checkpoint
+                        and kind == "chain_end"):
+                    extra["paused_before"] = await paused_before({**thread, "checkpoint_id": checkpoint})
+            except Exception:  # noqa: BLE001 - bookkeeping must never break the graph
+                log.debug("mappa_graph: could not read the checkpoint an async call left", exc_info=True)
+            finally:
+                self._submit(events)
 
     def _checkpoint_id(self, thread: dict[str, Any]) -> str | None:
         """The thread's latest checkpoint: read once as a run starts and once as it ends (one lookup each, only
         for runs on a thread of a checkpointed graph). An async-only saver cannot answer from the event loop's
-        thread; the episode then goes without checkpoint ids rather than slow or break the run."""
+        thread: an instrumented graph's async calls then read with `aend` instead; any other caller's episode
+        goes without checkpoint ids rather than slow or break the run."""
         try:
             found = self.checkpointer.get_tuple({"configurable": thread})
         except Exception:  # noqa: BLE001 - bookkeeping must never break the graph

@@ -356,6 +356,14 @@ def _drain_workers() -> None:
                       len(errors), "" if len(errors) == 1 else "s", errors[0], exc_info=errors[0])
 
 
+def _next_unless_interrupted(state: Any) -> list[str]:
+    """A thread's next nodes if its run stopped at a static breakpoint; [] if it finished or paused in
+    interrupt() (recorded from that node's own event)."""
+    if any(task.interrupts for task in state.tasks):
+        return []
+    return list(state.next)
+
+
 def _episode(kept: bytes | Episode) -> Episode:
     """A kept episode as `episodes` returns it: unpickled (a new copy on each read)."""
     return pickle.loads(kept) if isinstance(kept, bytes) else kept  # our own bytes, never read from outside
@@ -421,6 +429,7 @@ class InstrumentedGraph(Runnable[Any, Any]):
         self.train_failed_attempts = train_failed_attempts
         saver = getattr(graph, "checkpointer", None)
         self._checkpointer = saver if hasattr(saver, "get_tuple") else None
+        self._async_only: bool | None = None  # the saver refuses sync reads on the event loop (see _reads_async)
         self._breakpoints = bool(getattr(graph, "interrupt_before_nodes", None)
                                  or getattr(graph, "interrupt_after_nodes", None))
         self.keep = keep
@@ -437,6 +446,43 @@ class InstrumentedGraph(Runnable[Any, Any]):
                               keep_episodes=keep, paused_before=self._paused_before, breakpoints=breakpoints,
                               one_call=True)
 
+    def _reads_async(self, config: RunnableConfig | None, collector: TraceCollector) -> bool:
+        """Whether this async call must read its checkpoints with the saver's async methods: a call on a
+        thread of a saver whose sync reads refuse to run on the event loop's thread (AsyncSqliteSaver,
+        AsyncPostgresSaver), found out on the first such call and remembered. The collector then leaves the
+        reads to `_astart` and `_aend`."""
+        if self._checkpointer is None:
+            return False
+        thread = ((config or {}).get("configurable") or {}).get("thread_id")
+        if thread is None:
+            return False
+        if self._async_only is None:
+            try:
+                self._checkpointer.get_tuple({"configurable": {"thread_id": thread, "checkpoint_ns": ""}})
+            except Exception:  # noqa: BLE001 - any refusal: read asynchronously from now on
+                self._async_only = True
+            else:
+                self._async_only = False
+        collector.async_reads = self._async_only
+        return self._async_only
+
+    async def _astart(self, config: RunnableConfig, collector: TraceCollector) -> None:
+        """The checkpoint an async-only saver's call starts from (see `_reads_async`)."""
+        thread = {"thread_id": config["configurable"]["thread_id"], "checkpoint_ns": ""}
+        try:
+            found = await self._checkpointer.aget_tuple({"configurable": thread})
+        except Exception:  # noqa: BLE001 - bookkeeping must never break the graph
+            return
+        collector.start_checkpoint = found.config["configurable"].get("checkpoint_id") if found is not None else None
+
+    async def _apaused_before(self, checkpoint: dict[str, Any]) -> list[str]:
+        """`_paused_before` with the saver's async reads."""
+        try:
+            state = await self.graph.aget_state({"configurable": checkpoint})
+        except Exception:  # noqa: BLE001 - bookkeeping must never break the graph
+            return []
+        return _next_unless_interrupted(state)
+
     def _paused_before(self, checkpoint: dict[str, Any]) -> list[str]:
         """The nodes a call that ended at `checkpoint` goes on with when resumed, if it stopped at a static
         breakpoint; [] if it finished, or paused in interrupt() (recorded from that node's own event)."""
@@ -444,9 +490,7 @@ class InstrumentedGraph(Runnable[Any, Any]):
             state = self.graph.get_state({"configurable": checkpoint})
         except Exception:  # noqa: BLE001 - bookkeeping must never break the graph (an async-only saver)
             return []
-        if any(task.interrupts for task in state.tasks):
-            return []
-        return list(state.next)
+        return _next_unless_interrupted(state)
 
     def _record(self, episode: Episode) -> Callable[[], None] | None:
         """Keep the episode pickled and prepare its store write (`TraceStore.prepare_write`: serialised now, or
@@ -528,8 +572,15 @@ class InstrumentedGraph(Runnable[Any, Any]):
 
     async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         cfg, collector = self._config(config, call_kwargs=kwargs)
-        with bound(collector):
-            return await self.graph.ainvoke(input, cfg, **kwargs)
+        if not self._reads_async(cfg, collector):
+            with bound(collector):
+                return await self.graph.ainvoke(input, cfg, **kwargs)
+        await self._astart(cfg, collector)
+        try:
+            with bound(collector):
+                return await self.graph.ainvoke(input, cfg, **kwargs)
+        finally:
+            await collector.aend(self._apaused_before)
 
     def stream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[Any]:
         cfg, collector = self._config(config, call_kwargs=kwargs)
@@ -537,7 +588,13 @@ class InstrumentedGraph(Runnable[Any, Any]):
 
     def astream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> AsyncIterator[Any]:
         cfg, collector = self._config(config, call_kwargs=kwargs)
-        return abound_steps(collector, self.graph.astream(input, cfg, **kwargs))
+        return abound_steps(collector, self.graph.astream(input, cfg, **kwargs), self._around(cfg, collector))
+
+    def _around(self, config: RunnableConfig, collector: TraceCollector) -> tuple[Any, Any] | None:
+        """What an async stream awaits before its first step and after its end: an async-only saver's reads."""
+        if not self._reads_async(config, collector):
+            return None
+        return functools.partial(self._astart, config, collector), functools.partial(collector.aend, self._apaused_before)
 
     def astream_events(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         """The graph's own event stream, recorded like `astream`. `version="v3"` (LangGraph's experimental run
@@ -546,7 +603,7 @@ class InstrumentedGraph(Runnable[Any, Any]):
         cfg, collector = self._config(config, call_kwargs=kwargs)
         if kwargs.get("version") == "v3":
             return self.graph.astream_events(input, cfg, **kwargs)
-        return abound_steps(collector, self.graph.astream_events(input, cfg, **kwargs))
+        return abound_steps(collector, self.graph.astream_events(input, cfg, **kwargs), self._around(cfg, collector))
 
     def stream_events(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         cfg, _ = self._config(config, call_kwargs=kwargs)
@@ -588,10 +645,15 @@ class InstrumentedGraph(Runnable[Any, Any]):
         **kwargs: Any,
     ) -> tuple[Any, Episode]:
         cfg, collector = self._config(config, task_id, reference, keep=True, call_kwargs=kwargs)
+        reads = self._reads_async(cfg, collector)
         try:
+            if reads:
+                await self._astart(cfg, collector)
             with bound(collector):
                 output = await self.graph.ainvoke(input, cfg, **kwargs)
         finally:
+            if reads:
+                await collector.aend(self._apaused_before)
             await asyncio.get_running_loop().run_in_executor(None, collector.wait)
         return output, collector.episodes.pop()
 

@@ -691,3 +691,66 @@ def test_a_breakpoint_inside_a_worker_or_subgraph_is_a_paused_episode() -> None:
         assert norm(app.invoke(None, config)) == norm(plain.invoke(None, config))
         done = app.last_episode
         assert (done.status, "paused_before" in done.metadata) == ("ok", False), build
+
+
+class _AsyncOnlySaver:
+    """An InMemorySaver whose sync reads refuse to run on the event loop's thread, as langgraph's
+    AsyncSqliteSaver and AsyncPostgresSaver do."""
+
+    @staticmethod
+    def make() -> Any:
+        from langgraph.checkpoint.memory import InMemorySaver
+
+        class AsyncOnly(InMemorySaver):
+            def get_tuple(self, config):  # type: ignore[override]
+                try:
+                    asyncio.get_running_loop()
+                except RuntimeError:
+                    return super().get_tuple(config)
+                raise asyncio.InvalidStateError("Synchronous calls are only allowed from a different thread")
+
+            async def aget_tuple(self, config):  # type: ignore[override]
+                return InMemorySaver.get_tuple(self, config)
+
+        return AsyncOnly()
+
+
+@pytest.mark.parametrize("style", ["ainvoke", "astream", "abatch"])
+def test_an_async_only_checkpointer_still_gives_a_paused_episode_its_breakpoint_and_checkpoints(style: str) -> None:
+    """Under ainvoke/astream on a saver that reads only asynchronously, the episode of a call that stopped at a
+    breakpoint said 'ok', with no paused_before and no checkpoint ids: the sync reads were refused."""
+    from langchain_core.messages import AIMessage
+    from langgraph.prebuilt import create_react_agent
+
+    from tests.capture import apps
+    from tests.fakes import ScriptedChatModel
+
+    def script(messages):
+        found = apps.seen(messages, "search")
+        return AIMessage(f"found {found.content}") if found else apps.call("search", {"query": "q"}, "s-1")
+
+    app = instrument(create_react_agent(ScriptedChatModel(script=script), [apps.search], interrupt_before=["tools"],
+                                        checkpointer=_AsyncOnlySaver.make()))
+    config = {"configurable": {"thread_id": "t"}}
+
+    async def call(value: Any) -> Any:
+        if style == "astream":
+            return [chunk async for chunk in app.astream(value, config)]
+        if style == "abatch":
+            return await app.abatch([value], config)
+        return await app.ainvoke(value, config)
+
+    async def main() -> list[Any]:
+        checkpoints = []
+        await call(apps.message_input(1))
+        checkpoints.append((await app.aget_state(config)).config["configurable"]["checkpoint_id"])
+        await call(None)
+        checkpoints.append((await app.aget_state(config)).config["configurable"]["checkpoint_id"])
+        return checkpoints
+
+    paused_at, done_at = asyncio.run(main())
+    paused, done = app.episodes
+    assert (paused.status, paused.metadata.get("paused_before"), paused.metadata.get("end_checkpoint_id")) == (
+        "interrupted", ["tools"], paused_at)
+    assert (done.status, "paused_before" in done.metadata) == ("ok", False)
+    assert (done.metadata.get("start_checkpoint_id"), done.metadata.get("end_checkpoint_id")) == (paused_at, done_at)

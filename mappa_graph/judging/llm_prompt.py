@@ -171,9 +171,11 @@ def judge_sections(
     sections.append(("Tool feedback (output, stdout, stderr, errors, files)", clip_text(results, max_chars) or "(none)"))
     if include_reference and episode.reference is not None:
         sections.append(("Reference answer", clip_text(as_text(episode.reference), max_chars)))
-    if episode.status == "interrupted" and not episode.interrupts and episode.metadata.get("paused_before"):
-        paused = (f"the run stopped at a breakpoint before {', '.join(map(str, episode.metadata['paused_before']))} "
-                  "(not a failure): it goes on from there when resumed")
+    if episode.status == "interrupted" and not episode.interrupts:
+        # a static breakpoint (no value to show; where it stopped, when the checkpoint could be read)
+        where = ", ".join(map(str, episode.metadata.get("paused_before") or ()))
+        paused = (f"the run stopped at a breakpoint{f' before {where}' if where else ''} (not a failure): it goes "
+                  "on from there when resumed")
         sections.append(("How this call of the graph ended", paused))
     elif episode.status == "interrupted":
         paused = "the run paused in interrupt() waiting for human input (not a failure); asked:\n"

@@ -424,3 +424,17 @@ def test_a_truncated_reply_is_repaired_or_unscored_by_the_judge() -> None:
     episode = Episode(input="q", actions=[Action(node="coder", agent="coder", output_message={"content": "x"})])
     [reward] = judge.score(episode)
     assert reward.score == pytest.approx(0.4) and reward.repaired
+
+
+def test_a_pause_with_no_interrupt_value_is_shown_as_a_breakpoint_not_as_a_question():
+    """A run paused at a subgraph's breakpoint whose checkpoint could not be read has neither interrupt values
+    nor `paused_before`: it was shown as 'paused in interrupt() waiting for human input; asked: []'."""
+    action = Action(node="agent", agent="researcher", output_message={"type": "ai", "content": "searching"})
+    episode = Episode(run="r", status="interrupted", actions=[action])
+    ending = build_prompt(episode, action).messages[1].content
+    assert "stopped at a breakpoint (not a failure)" in ending and "interrupt()" not in ending
+    episode.metadata["paused_before"] = ["tools"]
+    assert "stopped at a breakpoint before tools (not a failure)" in build_prompt(episode, action).messages[1].content
+    episode.interrupts = [{"question": "approve?"}]
+    asked = build_prompt(episode, action).messages[1].content
+    assert "paused in interrupt() waiting for human input" in asked and "approve?" in asked

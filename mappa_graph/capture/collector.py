@@ -24,7 +24,6 @@ from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.tracers.context import register_configure_hook
-from langgraph.errors import GraphInterrupt
 
 from ..traces import Episode
 from .builder import EpisodeBuilder, Event, Raised, freeze
@@ -105,6 +104,14 @@ async def abound_steps(collector: BaseCallbackHandler, steps: AsyncIterator[Any]
         finally:
             if around is not None:
                 await around[1]()
+
+
+def _is_interrupt(error: BaseException) -> bool:
+    """A LangGraph pause (interrupt() or a breakpoint); langgraph is imported only once an error comes, so
+    importing this module loads no graph library."""
+    from langgraph.errors import GraphInterrupt
+
+    return isinstance(error, GraphInterrupt)
 
 
 class Pending(Protocol):
@@ -230,7 +237,7 @@ class TraceCollector(BaseCallbackHandler):
         run = run_id.int
         events = self._runs.get(run)
         if events is not None:
-            if isinstance(error, GraphInterrupt):
+            if _is_interrupt(error):
                 self._interrupted = True
             if events[0][1] == run:
                 self._close_root(events, "chain_error", run, Raised.of(error))

@@ -114,6 +114,16 @@ def _is_interrupt(error: BaseException) -> bool:
     return isinstance(error, GraphInterrupt)
 
 
+def thread_config(thread_id: Any) -> dict[str, Any]:
+    """The checkpointer config of a thread's top-level graph."""
+    return {"thread_id": thread_id, "checkpoint_ns": ""}
+
+
+def _checkpoint_of(found: Any) -> str | None:
+    """The id of a checkpoint tuple a saver returned (None: the thread has none yet)."""
+    return found.config["configurable"].get("checkpoint_id") if found is not None else None
+
+
 class Pending(Protocol):
     """A submitted build: a concurrent.futures.Future, or the instrumented graph's lighter job."""
 
@@ -184,8 +194,8 @@ class TraceCollector(BaseCallbackHandler):
         self.breakpoints = breakpoints
         self._interrupted = False  # a run of this call raised GraphInterrupt: it may have paused in a subgraph
         # An async call on a saver that cannot read synchronously on the event loop's thread (AsyncSqliteSaver):
-        # the caller reads the start checkpoint before the call (`start_checkpoint`) and, once the call is
-        # over, the end one and where it paused (`aend`), which then hands the run's events on.
+        # the caller awaits `astart` before the call (the start checkpoint) and, once the call is over, `aend`
+        # (the end one and where it paused), which then hands the run's events on.
         self.async_reads = False
         self.start_checkpoint: str | None = None
         self._deferred: list[tuple[list[Event], dict[str, Any], str, dict[str, Any]]] = []
@@ -348,7 +358,7 @@ class TraceCollector(BaseCallbackHandler):
         of a checkpointed graph the checkpoint it starts from (then the start event's extra)."""
         events: list[Event] = []
         if self.checkpointer is not None and metadata and metadata.get("thread_id") is not None:
-            thread = {"thread_id": metadata["thread_id"], "checkpoint_ns": ""}
+            thread = thread_config(metadata["thread_id"])
             extra = {"checkpoint_id": self.start_checkpoint if self.async_reads else self._checkpoint_id(thread)}
             self._threads[run] = thread
         return events, extra
@@ -363,8 +373,7 @@ class TraceCollector(BaseCallbackHandler):
             extra = {}  # filled in by aend
         elif thread is not None:
             extra = {"checkpoint_id": self._checkpoint_id(thread)}
-            if (self.paused_before is not None and (self.breakpoints or self._interrupted) and extra["checkpoint_id"]
-                    and kind == "chain_end"):
+            if self._asks_where_paused(kind, extra["checkpoint_id"]):
                 extra["paused_before"] = self.paused_before({**thread, "checkpoint_id": extra["checkpoint_id"]})
         if self.executor is not None:  # built later, on another thread: what the caller may change is read now
             frozen = freeze(events[0][4], payload) if kind == "chain_end" else freeze(events[0][4])
@@ -387,6 +396,21 @@ class TraceCollector(BaseCallbackHandler):
             return
         self._submit(events)
 
+    def _asks_where_paused(self, kind: str, checkpoint: str | None) -> bool:
+        """Whether a root run that ended at `checkpoint` may have stopped at a static breakpoint: see
+        `paused_before` and `breakpoints`."""
+        return (self.paused_before is not None and (self.breakpoints or self._interrupted) and bool(checkpoint)
+                and kind == "chain_end")
+
+    async def astart(self, thread_id: Any) -> None:
+        """With `async_reads`, before the call: the checkpoint its run starts from, read with the saver's
+        async methods (see `aend`)."""
+        try:
+            found = await self.checkpointer.aget_tuple({"configurable": thread_config(thread_id)})
+        except Exception:  # noqa: BLE001 - bookkeeping must never break the graph
+            return
+        self.start_checkpoint = _checkpoint_of(found)
+
     async def aend(self, paused_before: Callable[[dict[str, Any]], Awaitable[list[str]]] | None = None) -> None:
         """With `async_reads`, once the call is over: read the checkpoint its run left (and, with
         `paused_before`, where it paused) with the saver's async methods, then hand the run's events on. The
@@ -394,11 +418,9 @@ class TraceCollector(BaseCallbackHandler):
         deferred, self._deferred = self._deferred, []
         for events, thread, kind, extra in deferred:
             try:
-                found = await self.checkpointer.aget_tuple({"configurable": thread})
-                checkpoint = found.config["configurable"].get("checkpoint_id") if found is not None else None
+                checkpoint = _checkpoint_of(await self.checkpointer.aget_tuple({"configurable": thread}))
                 extra["checkpoint_id"] = checkpoint
-                if (paused_before is not None and (self.breakpoints or self._interrupted) and checkpoint
-                        and kind == "chain_end"):
+                if paused_before is not None and self._asks_where_paused(kind, checkpoint):
                     extra["paused_before"] = await paused_before({**thread, "checkpoint_id": checkpoint})
             except Exception:  # noqa: BLE001 - bookkeeping must never break the graph
                 log.debug("mappa_graph: could not read the checkpoint an async call left", exc_info=True)
@@ -414,7 +436,7 @@ class TraceCollector(BaseCallbackHandler):
             found = self.checkpointer.get_tuple({"configurable": thread})
         except Exception:  # noqa: BLE001 - bookkeeping must never break the graph
             return None
-        return found.config["configurable"].get("checkpoint_id") if found is not None else None
+        return _checkpoint_of(found)
 
     # ---- building -------------------------------------------------------------------------------------
     def _submit(self, events: list[Event]) -> None:

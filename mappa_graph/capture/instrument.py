@@ -34,7 +34,7 @@ from langchain_core.callbacks import BaseCallbackManager
 from langchain_core.runnables import Runnable, RunnableConfig
 
 from ..traces import Episode
-from .collector import TraceCollector, abound_steps, bound, bound_steps
+from .collector import TraceCollector, abound_steps, bound, bound_steps, thread_config
 from .courtesy import ModelGate, mark_background
 from .held_signals import Hold, signals_held
 from .paths import AgentResolver, AgentsSpec
@@ -450,7 +450,7 @@ class InstrumentedGraph(Runnable[Any, Any]):
         """Whether this async call must read its checkpoints with the saver's async methods: a call on a
         thread of a saver whose sync reads refuse to run on the event loop's thread (AsyncSqliteSaver,
         AsyncPostgresSaver), found out on the first such call and remembered. The collector then leaves the
-        reads to `_astart` and `_aend`."""
+        reads to its `astart` and `aend`."""
         if self._checkpointer is None:
             return False
         thread = ((config or {}).get("configurable") or {}).get("thread_id")
@@ -458,22 +458,13 @@ class InstrumentedGraph(Runnable[Any, Any]):
             return False
         if self._async_only is None:
             try:
-                self._checkpointer.get_tuple({"configurable": {"thread_id": thread, "checkpoint_ns": ""}})
+                self._checkpointer.get_tuple({"configurable": thread_config(thread)})
             except Exception:  # noqa: BLE001 - any refusal: read asynchronously from now on
                 self._async_only = True
             else:
                 self._async_only = False
         collector.async_reads = self._async_only
         return self._async_only
-
-    async def _astart(self, config: RunnableConfig, collector: TraceCollector) -> None:
-        """The checkpoint an async-only saver's call starts from (see `_reads_async`)."""
-        thread = {"thread_id": config["configurable"]["thread_id"], "checkpoint_ns": ""}
-        try:
-            found = await self._checkpointer.aget_tuple({"configurable": thread})
-        except Exception:  # noqa: BLE001 - bookkeeping must never break the graph
-            return
-        collector.start_checkpoint = found.config["configurable"].get("checkpoint_id") if found is not None else None
 
     async def _apaused_before(self, checkpoint: dict[str, Any]) -> list[str]:
         """`_paused_before` with the saver's async reads."""
@@ -572,15 +563,15 @@ class InstrumentedGraph(Runnable[Any, Any]):
 
     async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         cfg, collector = self._config(config, call_kwargs=kwargs)
-        if not self._reads_async(cfg, collector):
-            with bound(collector):
-                return await self.graph.ainvoke(input, cfg, **kwargs)
-        await self._astart(cfg, collector)
+        reads = self._reads_async(cfg, collector)
         try:
+            if reads:
+                await collector.astart(cfg["configurable"]["thread_id"])
             with bound(collector):
                 return await self.graph.ainvoke(input, cfg, **kwargs)
         finally:
-            await collector.aend(self._apaused_before)
+            if reads:
+                await collector.aend(self._apaused_before)
 
     def stream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[Any]:
         cfg, collector = self._config(config, call_kwargs=kwargs)
@@ -594,7 +585,8 @@ class InstrumentedGraph(Runnable[Any, Any]):
         """What an async stream awaits before its first step and after its end: an async-only saver's reads."""
         if not self._reads_async(config, collector):
             return None
-        return functools.partial(self._astart, config, collector), functools.partial(collector.aend, self._apaused_before)
+        return (functools.partial(collector.astart, config["configurable"]["thread_id"]),
+                functools.partial(collector.aend, self._apaused_before))
 
     def astream_events(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         """The graph's own event stream, recorded like `astream`. `version="v3"` (LangGraph's experimental run
@@ -648,7 +640,7 @@ class InstrumentedGraph(Runnable[Any, Any]):
         reads = self._reads_async(cfg, collector)
         try:
             if reads:
-                await self._astart(cfg, collector)
+                await collector.astart(cfg["configurable"]["thread_id"])
             with bound(collector):
                 output = await self.graph.ainvoke(input, cfg, **kwargs)
         finally:

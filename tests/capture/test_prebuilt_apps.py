@@ -8,13 +8,15 @@ import asyncio
 from typing import Any
 
 import pytest
-from langchain_core.messages import BaseMessage
+from langchain_core.messages import AIMessage, BaseMessage
+from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.types import Command, Interrupt, interrupt
 from pydantic import BaseModel
 
 from mappa_graph import TraceStore, instrument
 from mappa_graph.judging.llm_prompt import build_prompt
 from mappa_graph.messages import content_text
+from tests.capture import apps
 from tests.capture.apps import APPS, THREADED, interrupt_app, retry_app, supervisor_app, task_input
 
 pytestmark = pytest.mark.filterwarnings("ignore::langgraph.warnings.LangGraphDeprecatedSinceV10")
@@ -638,24 +640,38 @@ def test_parallel_handoffs_record_what_the_supervisor_was_told() -> None:
     assert all(r.output.startswith("Successfully transferred") for r in first.tool_results), first.tool_results
 
 
+class _AsyncOnlySaver(InMemorySaver):
+    """An InMemorySaver whose sync reads refuse to run on the event loop's thread, as langgraph's
+    AsyncSqliteSaver and AsyncPostgresSaver do."""
+
+    def get_tuple(self, config):  # type: ignore[override]
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return super().get_tuple(config)
+        raise asyncio.InvalidStateError("Synchronous calls are only allowed from a different thread")
+
+    async def aget_tuple(self, config):  # type: ignore[override]
+        return InMemorySaver.get_tuple(self, config)
+
+
+def _search_once(messages: list[BaseMessage]) -> AIMessage:
+    """A worker that searches, then answers with what it found."""
+    found = apps.seen(messages, "search")
+    return AIMessage(f"found {found.content}") if found else apps.call("search", {"query": "q"}, "s-1")
+
+
 def test_a_breakpoint_inside_a_worker_or_subgraph_is_a_paused_episode() -> None:
     """A static breakpoint of a subgraph (a supervisor's create_react_agent worker compiled with
     `interrupt_before=["tools"]`, a subgraph node compiled with `interrupt_after=`) pauses the whole run, as
     the parent's own breakpoint does: its episode ended 'ok' with nothing to say where it stopped."""
     from typing import TypedDict
 
-    from langchain_core.messages import AIMessage
-    from langgraph.checkpoint.memory import InMemorySaver
     from langgraph.graph import START, StateGraph
     from langgraph.prebuilt import create_react_agent
     from langgraph_supervisor import create_supervisor
 
-    from tests.capture import apps
     from tests.fakes import ScriptedChatModel
-
-    def researcher(messages):
-        found = apps.seen(messages, "search")
-        return AIMessage(f"found {found.content}") if found else apps.call("search", {"query": "q"}, "s-1")
 
     def supervisor(messages):
         if apps.seen(messages, "transfer_to_researcher"):
@@ -663,7 +679,7 @@ def test_a_breakpoint_inside_a_worker_or_subgraph_is_a_paused_episode() -> None:
         return apps.call("transfer_to_researcher", {}, "h-1")
 
     def team():
-        worker = create_react_agent(ScriptedChatModel(script=researcher), [apps.search], name="researcher",
+        worker = create_react_agent(ScriptedChatModel(script=_search_once), [apps.search], name="researcher",
                                     interrupt_before=["tools"])
         return create_supervisor([worker], model=ScriptedChatModel(script=supervisor)).compile(checkpointer=InMemorySaver())
 
@@ -693,44 +709,16 @@ def test_a_breakpoint_inside_a_worker_or_subgraph_is_a_paused_episode() -> None:
         assert (done.status, "paused_before" in done.metadata) == ("ok", False), build
 
 
-class _AsyncOnlySaver:
-    """An InMemorySaver whose sync reads refuse to run on the event loop's thread, as langgraph's
-    AsyncSqliteSaver and AsyncPostgresSaver do."""
-
-    @staticmethod
-    def make() -> Any:
-        from langgraph.checkpoint.memory import InMemorySaver
-
-        class AsyncOnly(InMemorySaver):
-            def get_tuple(self, config):  # type: ignore[override]
-                try:
-                    asyncio.get_running_loop()
-                except RuntimeError:
-                    return super().get_tuple(config)
-                raise asyncio.InvalidStateError("Synchronous calls are only allowed from a different thread")
-
-            async def aget_tuple(self, config):  # type: ignore[override]
-                return InMemorySaver.get_tuple(self, config)
-
-        return AsyncOnly()
-
-
 @pytest.mark.parametrize("style", ["ainvoke", "astream", "abatch"])
 def test_an_async_only_checkpointer_still_gives_a_paused_episode_its_breakpoint_and_checkpoints(style: str) -> None:
     """Under ainvoke/astream on a saver that reads only asynchronously, the episode of a call that stopped at a
     breakpoint said 'ok', with no paused_before and no checkpoint ids: the sync reads were refused."""
-    from langchain_core.messages import AIMessage
     from langgraph.prebuilt import create_react_agent
 
-    from tests.capture import apps
     from tests.fakes import ScriptedChatModel
 
-    def script(messages):
-        found = apps.seen(messages, "search")
-        return AIMessage(f"found {found.content}") if found else apps.call("search", {"query": "q"}, "s-1")
-
-    app = instrument(create_react_agent(ScriptedChatModel(script=script), [apps.search], interrupt_before=["tools"],
-                                        checkpointer=_AsyncOnlySaver.make()))
+    app = instrument(create_react_agent(ScriptedChatModel(script=_search_once), [apps.search],
+                                        interrupt_before=["tools"], checkpointer=_AsyncOnlySaver()))
     config = {"configurable": {"thread_id": "t"}}
 
     async def call(value: Any) -> Any:

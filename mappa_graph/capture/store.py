@@ -399,13 +399,16 @@ def _refuse_forks(parts: list[Episode]) -> None:
     """Refuse parts of two branches: two calls that started from one checkpoint (a second resume, time travel
     to where a call started), or a call that started where an earlier call, not the one just before it, ended.
     A call that starts from a checkpoint no call started from or ended at follows its predecessor: that is
-    what `update_state` between a pause and its resume leaves (a checkpoint of its own)."""
+    what `update_state` between a pause and its resume leaves (a checkpoint of its own). A resume that paused
+    again (a second interrupt() in one node, parallel interrupts answered one at a time) wrote no checkpoint: it
+    keeps its answers as pending writes on the checkpoint it started from, so the call after it starts there too,
+    and goes on from it."""
     started: dict[str, str] = {}  # checkpoint id -> the episode that started from it
     ended: dict[str, str] = {}  # checkpoint id -> the episode that ended at it
-    previous_end = None
+    previous_start = previous_end = None
     for part in parts:
         start, end = part.metadata.get("start_checkpoint_id"), part.metadata.get("end_checkpoint_id")
-        if start:
+        if start and not start == previous_start == previous_end:
             earlier = started.get(start) or (ended.get(start) if start != previous_end else None)
             if earlier is not None:
                 raise ValueError(
@@ -416,7 +419,7 @@ def _refuse_forks(parts: list[Episode]) -> None:
             started[start] = part.id
         if end:
             ended[end] = part.id
-        previous_end = end
+        previous_start, previous_end = start, end
 
 
 def _give_resumed_results(actions: list[Action]) -> None:

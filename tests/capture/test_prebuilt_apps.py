@@ -5,7 +5,8 @@ graph, one episode per call, and the ordered (agent, path, kind, what it did) of
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import operator
+from typing import Annotated, Any, TypedDict
 
 import pytest
 from langchain_core.messages import AIMessage, BaseMessage
@@ -454,6 +455,55 @@ def test_join_refuses_a_thread_that_time_travel_forked_and_joins_one_branch(tmp_
     assert joined.metadata["joined_episode_ids"] == [paused.id, second.id]
     assert [(a.node, a.status) for a in joined.actions] == [("write", "ok"), ("review", "interrupted"), ("review", "ok")]
     assert sorted(e.id for e in store.episodes(thread_id="fork")) == sorted([joined.id, first.id])
+
+
+class Form(TypedDict):
+    out: Annotated[list, operator.add]
+
+
+def test_a_thread_whose_resume_pauses_again_joins_and_a_later_fork_is_still_refused(tmp_path) -> None:
+    """A resume that pauses again (a node asks interrupt() twice, or parallel interrupts are answered one at a
+    time) writes no checkpoint of its own: the next resume starts where it started. That is the thread going on,
+    not a fork; a resume from there after the thread went past it is."""
+    from langgraph.graph import END, START, StateGraph
+
+    def ask_twice(state: Form) -> dict:
+        return {"out": [f"{interrupt('name?')} is {interrupt('age?')}"]}
+
+    def ask(question: str) -> Any:
+        return lambda state: {"out": [f"{question}={interrupt(question)}"]}
+
+    twice = StateGraph(Form)
+    twice.add_node("form", ask_twice)
+    twice.add_edge(START, "form")
+    parallel = StateGraph(Form)
+    for name in ("a", "b"):
+        parallel.add_node(name, ask(name))
+        parallel.add_edge(START, name)
+        parallel.add_edge(name, END)
+    for graph, answers in ((twice, lambda pending: "ann" if not pending else "42"),
+                           (parallel, None)):
+        store = TraceStore(tmp_path / f"{len(graph.nodes)}.db")
+        app = instrument(graph.compile(checkpointer=InMemorySaver()), store=store)
+        cfg = {"configurable": {"thread_id": "t"}}
+        pending = app.invoke({"out": []}, cfg)["__interrupt__"]
+        answered: list[str] = []
+        while pending:
+            value = answers(answered) if answers else {pending[0].id: "yes"}
+            answered.append(str(value))
+            paused_at = app.get_state(cfg).config
+            pending = app.invoke(Command(resume=value), cfg).get("__interrupt__")
+        final = app.get_state(cfg).values["out"]
+        assert final == (["ann is 42"] if graph is twice else ["a=yes", "b=yes"])
+        parts = store.episodes(thread_id="t")
+        assert [p.status for p in parts] == ["interrupted", "interrupted", "ok"]
+        assert parts[1].metadata["start_checkpoint_id"] == parts[1].metadata["end_checkpoint_id"]
+        app.invoke(Command(resume="again"), paused_at)  # back to the last pause after the thread went past it
+        with pytest.raises(ValueError, match="forked this thread"):
+            store.join_thread("t")
+        joined = store.join_thread("t", episode_ids=[p.id for p in parts])
+        assert joined.status == "ok" and joined.metadata["joined_episode_ids"] == [p.id for p in parts]
+        assert joined.final_state["out"] == final
 
 
 def test_a_worker_that_fails_for_good_keeps_what_it_finished_and_a_retried_one_does_not() -> None:

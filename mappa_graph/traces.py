@@ -32,7 +32,14 @@ class ToolResult(BaseModel):
     """What a tool gave back; `error` is set when the tool raised or refused (sandbox limits, network).
     `paused` marks a tool that paused in `interrupt()` (an approval step), `interrupt` holding what it asked:
     control flow, not an error; the call's result comes when the thread resumes (`TraceStore.join_thread`
-    adds it after this one)."""
+    adds it after this one).
+
+    The judge scores the model's call by this result, so a result that is not simply "the call ran" says so:
+    `ran_call` is the call that ran where it differs from the one the model asked for (a human reviewer's edit,
+    a middleware that rewrote the arguments), and `given_by` is set when no tool ran and the model was told
+    this instead: `<lc_source>:<decision>` for a message langchain's agent harness marked
+    (`hitl_interrupt_decision:respond`, `...:reject`), else "node" (a middleware that answered, a refused or
+    limited call, a structured-output reply)."""
 
     tool_call_id: str | None = None
     name: str
@@ -41,6 +48,8 @@ class ToolResult(BaseModel):
     paused: bool = False
     interrupt: Any = None
     latency_s: float | None = None
+    ran_call: ToolCall | None = None
+    given_by: str | None = None
 
 
 class Action(BaseModel):

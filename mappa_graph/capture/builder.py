@@ -178,7 +178,7 @@ class EpisodeBuilder:
         self.node_by_run: dict[int, _NodeRun] = {}
         self.attempts: dict[str, int] = {}
         self.llm_by_run: dict[int, tuple[Action, tuple[Any, ...]]] = {}
-        self.tool_by_run: dict[int, tuple[str, str | None, float, str | None, int | None]] = {}
+        self.tool_by_run: dict[int, tuple[str, str | None, float, str | None, int | None, ToolCall | None]] = {}
         # A result's place among the calls of the model call that asked (by id() of the ToolResult): results
         # go in the order the model asked, not the order parallel tools finished in
         self.result_place: dict[int, int] = {}
@@ -472,7 +472,7 @@ class EpisodeBuilder:
             # in a fan-out whose branches reuse ids is another branch's
             owner = (self.call_owner_in.get(("task", ns, call_id))
                      or self.call_owner_in.get(("graph", _graph_ns(ns), call_id)))
-            if owner is None and not any(c.get("id") == call_id for m in given for c in getattr(m, "tool_calls", ())):
+            if owner is None and call_id not in _calls_given(node_run.raw_input):
                 continue  # no call asked for it: a made-up pair (langgraph-supervisor's "transferring back")
             known = owner.tool_results if owner is not None else node_run.tool_results
             result = next((r for r in reversed(known) if r.tool_call_id == call_id), None)
@@ -483,7 +483,7 @@ class EpisodeBuilder:
             place = next((i for i, c in enumerate(owner.tool_calls) if c.id == call_id), None) if owner else None
             name = message.name or (owner.tool_calls[place].name if place is not None else "tool")
             result = ToolResult(tool_call_id=call_id, name=name, output=text,
-                                error=text if message.status == "error" else None)
+                                error=text if message.status == "error" else None, given_by=_given_by(message))
             if place is not None:
                 self.result_place[id(result)] = place
             if owner is not None:
@@ -602,7 +602,7 @@ class EpisodeBuilder:
                     self._reply(action, response)
 
     # ---- tool calls -----------------------------------------------------------------------------------------
-    def _tool_start(self, run_id: int, parent: Any, meta: Mapping[str, Any], _input: Any, at: float,
+    def _tool_start(self, run_id: int, parent: Any, meta: Mapping[str, Any], ran_args: Any, at: float,
                     extra: Any) -> None:
         name, call_id = extra
         # A chain the tool runs (an LLM chain, an agent as a tool) is inside this node task, not a new attempt.
@@ -610,7 +610,24 @@ class EpisodeBuilder:
         owner = self._owner(call_id, ns)
         place = next((i for i, c in enumerate(owner.tool_calls) if c.id == call_id), None) if owner else None
         self.tool_of_run[run_id] = _ToolRun(name, place, owner.id if owner else None, ns)
-        self.tool_by_run[run_id] = (name, call_id, at, ns, place)
+        self.tool_by_run[run_id] = (name, call_id, at, ns, place, self._changed(name, call_id, ran_args, owner,
+                                                                               place, ns))
+
+    def _changed(self, name: str, call_id: str | None, ran_args: Any, owner: Action | None, place: int | None,
+                 ns: str | None) -> ToolCall | None:
+        """The call that ran, if it is not the one the model asked for (a reviewer's edit, a middleware that
+        rewrote it): compared with the asking model call's, or, on a resume, with the call the task was given."""
+        if not isinstance(ran_args, dict):
+            return None
+        if place is not None:
+            asked = owner.tool_calls[place]
+            asked_name, asked_args = asked.name, asked.args
+        else:
+            node_run = self.node_by_ns.get(ns) if ns is not None else None
+            asked_name, asked_args = _calls_given(node_run.raw_input if node_run else None).get(call_id, (None, None))
+        if asked_name is None or (name, ran_args) == (asked_name, asked_args):
+            return None
+        return ToolCall(id=call_id, name=name, args=ran_args)
 
     def _tool_end(self, run_id: int, parent: Any, meta: Any, output: Any, at: float, _: Any) -> None:
         self._tool_done(run_id, output, None, at)
@@ -627,7 +644,7 @@ class EpisodeBuilder:
         """A tool call ended: with its output, its error, or `paused` in interrupt() having `asked`."""
         if run_id not in self.tool_by_run:
             return
-        name, call_id, started, ns, place = self.tool_by_run.pop(run_id)
+        name, call_id, started, ns, place, ran_call = self.tool_by_run.pop(run_id)
         if isinstance(output, self._command_type):  # a handoff tool: what it says is the ToolMessage it adds
             output = _tool_message_of(output, call_id) or f"Command(goto={self._targets(output)})"
         if isinstance(output, ToolMessage):
@@ -638,7 +655,7 @@ class EpisodeBuilder:
         else:
             text = "" if output is None else content_text(output) if isinstance(output, (str, list)) else str(output)
         result = ToolResult(tool_call_id=call_id, name=name, output=text, error=error, paused=paused,
-                            interrupt=asked, latency_s=at - started)
+                            interrupt=asked, latency_s=at - started, ran_call=ran_call)
         if place is not None:
             self.result_place[id(result)] = place
         node_run = self.node_by_ns.get(ns) if ns is not None else None
@@ -723,6 +740,33 @@ def _messages_of(value: Any, commands: list[Any]) -> list[Any]:
         elif messages is not None:
             found.append(messages)
     return found
+
+
+def _calls_given(value: Any) -> dict[str, tuple[str, Any]]:
+    """The tool calls a node task was given, by id, as (name, args): those of the AI messages in its input, and
+    calls given as themselves (create_agent's tools task gets one per Send, with the state beside it; a ToolNode
+    may be given a list of them)."""
+    found = {}
+    for part in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(part, Mapping) and part.get("__type") == "tool_call_with_context":
+            part = part.get("tool_call")
+        if isinstance(part, Mapping) and part.get("id") and "name" in part and "args" in part:
+            found[part["id"]] = (part.get("name"), part.get("args"))
+    for message in _messages_of(value, []):
+        found.update((c["id"], (c.get("name"), c.get("args"))) for c in getattr(message, "tool_calls", None) or ()
+                     if c.get("id"))
+    return found
+
+
+def _given_by(message: ToolMessage) -> str:
+    """Who gave a ToolMessage no tool run gave: langchain's agent harness marks its own (`lc_source`, its
+    fields in `lc_data`: a human reviewer's decision); any other is the node's (a middleware, a refusal)."""
+    source = message.additional_kwargs.get("lc_source")
+    if not isinstance(source, str):
+        return "node"
+    data = message.additional_kwargs.get("lc_data")
+    decision = data.get("decision") if isinstance(data, Mapping) else None
+    return f"{source}:{decision}" if isinstance(decision, str) else source
 
 
 def _shows_status(node_run: _NodeRun, status: str) -> bool:

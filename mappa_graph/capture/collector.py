@@ -304,7 +304,9 @@ class TraceCollector(BaseCallbackHandler):
             if events is None:
                 return
         self._runs[run] = events
-        events.append(("tool_start", run, parent, metadata, input_str, time.time(), extra))
+        # the arguments it ran with (langchain passes them as `inputs`, injected ones left out): a reviewer or a
+        # middleware may have changed the model's call before it ran
+        events.append(("tool_start", run, parent, metadata, kwargs.get("inputs"), time.time(), extra))
 
     def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
         events = self._runs.get(run_id.int)

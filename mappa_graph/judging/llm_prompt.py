@@ -84,9 +84,26 @@ def _render_tools(action: Action, retried: bool = False) -> tuple[str, str]:
             results.append(f"{head} paused in interrupt() for human input (not an error), asking: "
                            f"{as_text(r.interrupt)}; its result comes when the run resumes")
             continue
-        results.append(f"{head} output:\n{r.output}" + (f"\n{head} ERROR: {r.error}" if r.error else ""))
+        said = f"{head} output:\n"
+        if r.ran_call is not None:
+            ran = f"{r.ran_call.name}({json.dumps(r.ran_call.args, ensure_ascii=False, default=str)})"
+            said = f"{head} was changed before it ran: {ran} ran instead (a human reviewer's edit or a middleware); its output:\n"
+        elif r.given_by is not None:
+            said = f"{head}: the tool did not run: {_stand_in(r.given_by)}; the model was told:\n"
+        results.append(said + r.output + (f"\n{head} ERROR: {r.error}" if r.error else ""))
     results += _control_flow(action, retried)
     return calls, "\n\n".join(results)
+
+
+def _stand_in(given_by: str) -> str:
+    """Who answered a tool call in the tool's place, in words."""
+    source, _, decision = given_by.partition(":")
+    if source == "hitl_interrupt_decision":
+        return ("a human reviewer rejected the call" if decision == "reject"
+                else "a human reviewer answered in its place")
+    if source == "node":
+        return "the node answered in its place (a middleware, or a refused or limited call)"
+    return f"{source} answered in its place" + (f" ({decision})" if decision else "")
 
 
 def _control_flow(action: Action, retried: bool = False) -> list[str]:

@@ -343,7 +343,7 @@ def test_a_node_that_hands_off_with_command_parent_keeps_its_model_call_and_targ
     assert ep.actions[0].output_text == "note on task-4" and ep.status == "ok"
 
 
-def _mailer(checkpointer: Any = None) -> Any:
+def _mailer(checkpointer: Any = None, interrupt_mode: str = "batched") -> Any:
     """A create_agent whose tool call a human approves first (HumanInTheLoopMiddleware pauses the run after the
     model, before the tool runs)."""
     from langchain.agents import create_agent
@@ -365,7 +365,8 @@ def _mailer(checkpointer: Any = None) -> Any:
                                                                     f"e-{number(messages)}")
 
     return create_agent(ScriptedChatModel(script=script), [send_email], name="mailer", checkpointer=checkpointer,
-                        middleware=[HumanInTheLoopMiddleware(interrupt_on={"send_email": True})])
+                        middleware=[HumanInTheLoopMiddleware(interrupt_on={"send_email": True},
+                                                                     interrupt_mode=interrupt_mode)])
 
 
 def test_a_tool_call_a_human_approved_gets_its_result_when_the_thread_is_joined(tmp_path) -> None:
@@ -401,6 +402,70 @@ def test_a_tool_call_a_human_rejected_gets_the_rejection_when_the_thread_is_join
     asked = next(a for a in joined.actions if a.tool_calls)
     assert [(r.tool_call_id, r.output, r.error) for r in asked.tool_results] == [("e-2", told.content, told.content)]
     assert "no emails today" in build_prompt(joined, asked).messages[1].content
+
+
+@pytest.mark.parametrize("mode", ["batched", "per_call"])
+def test_a_reviewers_edit_or_answer_is_on_the_record_as_what_happened_not_as_the_models_own_call(
+        tmp_path, mode: str) -> None:
+    """HumanInTheLoopMiddleware's "edit" runs another call than the model's (its message keeps the model's call);
+    "respond" runs no tool and gives the human's text as its result. In "per_call" mode the decision is made in
+    the tools task (a wrap_tool_call that paused), and the resumed task's answer once reached no action."""
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    from tests.capture.apps import message_input
+
+    store = TraceStore(tmp_path / "t.db")
+    edit = {"type": "edit", "edited_action": {"name": "send_email", "args": {"to": "alice"}}}
+    respond = {"type": "respond", "message": "I phoned bob myself"}
+    for decision in (edit, respond):
+        app = instrument(_mailer(InMemorySaver(), interrupt_mode=mode), store=store)
+        cfg = {"configurable": {"thread_id": decision["type"]}}
+        app.invoke(message_input(2), cfg)
+        out = app.invoke(Command(resume=decision if mode == "per_call" else {"decisions": [decision]}), cfg)
+        assert out["messages"][-1].content.startswith("done: ")
+        asked = next(a for a in store.join_thread(decision["type"]).actions if a.tool_calls)
+        assert [(c.name, c.args) for c in asked.tool_calls] == [("send_email", {"to": "bob-2"})]
+        (result,) = asked.tool_results
+        text = build_prompt(store.episodes(thread_id=decision["type"])[0], asked).messages[1].content
+        feedback = text.split("### Tool feedback")[1]
+        if decision is edit:
+            assert result.output == "sent to alice" and result.given_by is None
+            assert (result.ran_call.name, result.ran_call.args) == ("send_email", {"to": "alice"})
+            assert 'changed before it ran: send_email({"to": "alice"})' in feedback
+        else:
+            assert (result.output, result.error, result.ran_call) == ("I phoned bob myself", None, None)
+            assert result.given_by == "hitl_interrupt_decision:respond"
+            assert "the tool did not run: a human reviewer answered in its place" in feedback
+
+
+def test_a_call_a_middleware_answered_after_a_resume_gets_that_answer(tmp_path) -> None:
+    """A wrap_tool_call that answers without running the tool, in a call resumed at a breakpoint before the
+    tools node: create_agent's tools task gets the tool call itself, not a message that holds it."""
+    from langchain.agents import create_agent
+    from langchain.agents.middleware import wrap_tool_call
+    from langchain_core.messages import ToolMessage
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    from tests.capture.apps import call, message_input, seen, search
+    from tests.fakes import ScriptedChatModel
+
+    @wrap_tool_call
+    def policy(request: Any, handler: Any) -> ToolMessage:
+        return ToolMessage("blocked by policy", tool_call_id=request.tool_call["id"], name="search", status="error")
+
+    def script(messages: list) -> AIMessage:
+        told = seen(messages, "search")
+        return AIMessage(f"told: {told.content}") if told else call("search", {"query": "q"}, "s-1")
+
+    store = TraceStore(tmp_path / "t.db")
+    app = instrument(create_agent(ScriptedChatModel(script=script), [search], middleware=[policy],
+                                  checkpointer=InMemorySaver(), interrupt_before=["tools"]), store=store)
+    cfg = {"configurable": {"thread_id": "policy"}}
+    app.invoke(message_input(1), cfg)
+    assert app.invoke(None, cfg)["messages"][-1].content == "told: blocked by policy"
+    asked = next(a for a in store.join_thread("policy").actions if a.tool_calls)
+    assert [(r.output, r.error, r.given_by) for r in asked.tool_results] == [
+        ("blocked by policy", "blocked by policy", "node")]
 
 
 def test_a_subagent_tool_that_paused_gives_its_result_to_the_call_that_asked(tmp_path) -> None:

@@ -64,7 +64,9 @@ class Action(BaseModel):
     and `status` is "interrupted" for a node paused by `interrupt()`. A node retried by its RetryPolicy gives one
     action per `attempt`; a failed attempt has status "error" and trains only when `train_failed` is set, and
     so does a model call whose node paused in `interrupt()` (the node reruns from its start on resume, so the
-    call's reply was thrown away like a failed attempt's).
+    call's reply was thrown away like a failed attempt's). A model call made again inside one node task after
+    a failed one (ModelRetryMiddleware, ModelFallbackMiddleware, the node's own try/except) has `retry_of`, the
+    failed call's id: the failed call stays failed, and the judge reads the two as a retry.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -76,6 +78,7 @@ class Action(BaseModel):
     agent: str
     path: str | None = None
     attempt: int = 1
+    retry_of: str | None = None
     status: Literal["ok", "error", "interrupted"] = "ok"
     handoff: list[str] | None = None
     train_failed: bool = False

@@ -75,7 +75,7 @@ def _render_messages(messages: Iterable[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _render_tools(action: Action, retried: bool = False) -> tuple[str, str]:
+def _render_tools(action: Action, retried: bool = False, replaced: bool = False) -> tuple[str, str]:
     calls = "\n".join(f"{c.name}({json.dumps(c.args, ensure_ascii=False, default=str)})" for c in action.tool_calls)
     results = []
     for r in action.tool_results:
@@ -91,7 +91,7 @@ def _render_tools(action: Action, retried: bool = False) -> tuple[str, str]:
         elif r.given_by is not None:
             said = f"{head}: the tool did not run: {_stand_in(r.given_by)}; the model was told:\n"
         results.append(said + r.output + (f"\n{head} ERROR: {r.error}" if r.error else ""))
-    results += _control_flow(action, retried)
+    results += _control_flow(action, retried, replaced)
     return calls, "\n\n".join(results)
 
 
@@ -106,9 +106,10 @@ def _stand_in(given_by: str) -> str:
     return f"{source} answered in its place" + (f" ({decision})" if decision else "")
 
 
-def _control_flow(action: Action, retried: bool = False) -> list[str]:
+def _control_flow(action: Action, retried: bool = False, replaced: bool = False) -> list[str]:
     """How the action ended, in LangGraph's terms: a handoff and a pause are control flow, not failures; a
-    failed attempt is a failure, and says so when the node was retried."""
+    failed attempt is a failure, and says so when the node was retried or the failed call `replaced` by
+    another model call in the same task."""
     lines = []
     if action.handoff:
         lines.append(f"it handed control to {', '.join(action.handoff)} (a LangGraph handoff, not an error)")
@@ -120,6 +121,9 @@ def _control_flow(action: Action, retried: bool = False) -> list[str]:
         lines.append(f"the action itself failed{attempt}: {action.error}")
         if retried:
             lines.append("LangGraph's retry policy then ran this node again: the next attempt follows")
+        if replaced:
+            lines.append("a model was called again in its place in the same node task (a retry or fallback "
+                         "middleware, or the node's own error handling): that call follows")
     return lines
 
 
@@ -135,6 +139,8 @@ def _where(action: Action) -> str:
         where += f", attempt {action.attempt}"
     if action.status != "ok":
         where += ", FAILED" if action.status == "error" else ", paused in interrupt()"
+    if action.retry_of:
+        where += ", made again after a failed model call"
     return where
 
 
@@ -167,6 +173,10 @@ def judge_sections(
     retried = _retried(episode, action)
     if action.attempt > 1 or retried:
         role += f"\nattempt: {action.attempt}" + (" (earlier attempts of this node failed)" if action.attempt > 1 else "")
+    failed = next((a for a in episode.actions if a.id == action.retry_of), None) if action.retry_of else None
+    if failed is not None:
+        role += (f"\nthis call was made in place of a failed model call (#{failed.index}: {failed.error}) in the "
+                 "same node task: a model retry or fallback (middleware, or the node's own error handling)")
     if roles and action.agent in roles:
         role += f"\nrole: {roles[action.agent]}"
     if system is not None:
@@ -183,7 +193,8 @@ def judge_sections(
     sections.append(("What the agent saw", clip_text(saw, max_chars, keep="tail")))
     produced = action.output_text if action.kind == "llm" else as_text(action.node_output)
     sections.append(("The action (what the agent produced)", clip_text(produced, max_chars) or "(no text)"))
-    calls, results = _render_tools(action, retried)
+    replaced = action.status == "error" and any(a.retry_of == action.id for a in episode.actions)
+    calls, results = _render_tools(action, retried, replaced)
     sections.append(("Its tool calls", clip_text(calls, max_chars) or "(none)"))
     sections.append(("Tool feedback (output, stdout, stderr, errors, files)", clip_text(results, max_chars) or "(none)"))
     if include_reference and episode.reference is not None:

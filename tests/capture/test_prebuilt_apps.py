@@ -468,6 +468,43 @@ def test_a_call_a_middleware_answered_after_a_resume_gets_that_answer(tmp_path) 
         ("blocked by policy", "blocked by policy", "node")]
 
 
+def test_a_model_call_a_middleware_retried_or_fell_back_from_is_a_failed_call_and_the_next_says_so() -> None:
+    """ModelRetryMiddleware and ModelFallbackMiddleware call a model again inside one model-node task: the
+    failed call is failed, the one made in its place says whose place it took, and the judge reads both so."""
+    from langchain.agents import create_agent
+    from langchain.agents.middleware import ModelFallbackMiddleware, ModelRetryMiddleware
+
+    from tests.capture.apps import message_input
+    from tests.fakes import ScriptedChatModel
+
+    def fails_first() -> Any:
+        calls = []
+
+        def script(messages: list) -> AIMessage:
+            calls.append(1)
+            if len(calls) == 1:
+                raise TimeoutError("provider timed out")
+            return AIMessage("4")
+        return script
+
+    def down(messages: list) -> AIMessage:
+        raise ConnectionError("primary down")
+
+    backup = ScriptedChatModel(script=lambda messages: AIMessage("4"))
+    for middleware, model in ((ModelRetryMiddleware(max_retries=2, initial_delay=0), ScriptedChatModel(script=fails_first())),
+                              (ModelFallbackMiddleware(backup), ScriptedChatModel(script=down))):
+        app = instrument(create_agent(model, [], middleware=[middleware]))
+        out, episode = app.run_episode(message_input(1))
+        assert out["messages"][-1].content == "4"
+        failed, replaced = episode.actions
+        assert (failed.status, failed.retry_of, replaced.status, replaced.retry_of) == ("error", None, "ok", failed.id)
+        assert not failed.trainable
+        said = build_prompt(episode, failed).messages[1].content
+        assert "a model was called again in its place" in said.split("### Tool feedback")[1]
+        role = build_prompt(episode, replaced).messages[1].content.split("### The agent's role")[1].split("###")[0]
+        assert f"made in place of a failed model call (#{failed.index}: {failed.error})" in role
+
+
 def test_a_subagent_tool_that_paused_gives_its_result_to_the_call_that_asked(tmp_path) -> None:
     from langchain.agents import create_agent
     from langchain_core.messages import AIMessage, HumanMessage, ToolMessage

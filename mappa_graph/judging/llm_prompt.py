@@ -87,7 +87,8 @@ def _render_tools(action: Action, retried: bool = False, replaced: bool = False)
         said = f"{head} output:\n"
         if r.ran_call is not None:
             ran = f"{r.ran_call.name}({json.dumps(r.ran_call.args, ensure_ascii=False, default=str)})"
-            said = f"{head} was changed before it ran: {ran} ran instead (a human reviewer's edit or a middleware); its output:\n"
+            said = (f"{head} was changed before it ran: {ran} ran instead (a human reviewer's edit or a "
+                    "middleware); its output:\n")
         elif r.given_by is not None:
             said = f"{head}: the tool did not run: {_stand_in(r.given_by)}; the model was told:\n"
         results.append(said + r.output + (f"\n{head} ERROR: {r.error}" if r.error else ""))
@@ -102,7 +103,8 @@ def _stand_in(given_by: str) -> str:
         return ("a human reviewer rejected the call" if decision == "reject"
                 else "a human reviewer answered in its place")
     if source == "node":
-        return "the node answered in its place (a middleware, or a refused or limited call)"
+        return ("the node answered in its place (a middleware, a refused or limited call, a structured-output "
+                "reply)")
     return f"{source} answered in its place" + (f" ({decision})" if decision else "")
 
 

@@ -491,7 +491,8 @@ def test_a_model_call_a_middleware_retried_or_fell_back_from_is_a_failed_call_an
         raise ConnectionError("primary down")
 
     backup = ScriptedChatModel(script=lambda messages: AIMessage("4"))
-    for middleware, model in ((ModelRetryMiddleware(max_retries=2, initial_delay=0), ScriptedChatModel(script=fails_first())),
+    retry = ModelRetryMiddleware(max_retries=2, initial_delay=0)
+    for middleware, model in ((retry, ScriptedChatModel(script=fails_first())),
                               (ModelFallbackMiddleware(backup), ScriptedChatModel(script=down))):
         app = instrument(create_agent(model, [], middleware=[middleware]))
         out, episode = app.run_episode(message_input(1))

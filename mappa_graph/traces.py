@@ -66,7 +66,9 @@ class Action(BaseModel):
     so does a model call whose node paused in `interrupt()` (the node reruns from its start on resume, so the
     call's reply was thrown away like a failed attempt's). A model call made again inside one node task after
     a failed one (ModelRetryMiddleware, ModelFallbackMiddleware, the node's own try/except) has `retry_of`, the
-    failed call's id: the failed call stays failed, and the judge reads the two as a retry.
+    failed call's id: the failed call stays failed, and the judge reads the two as a retry. A node a LangGraph
+    cache answered (a `CachePolicy` hit) did not run: it is a node action marked `cached`, with the stored update
+    as its output.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -79,6 +81,7 @@ class Action(BaseModel):
     path: str | None = None
     attempt: int = 1
     retry_of: str | None = None
+    cached: bool = False
     status: Literal["ok", "error", "interrupted"] = "ok"
     handoff: list[str] | None = None
     train_failed: bool = False

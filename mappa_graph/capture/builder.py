@@ -315,6 +315,7 @@ class EpisodeBuilder:
             agent=self.agents(path, boundary),
             path="/".join(path),
             attempt=attempt,
+            cached=extra == "cached",
             train_failed=self.train_failed,
             step=step,
             checkpoint_ns=ns,

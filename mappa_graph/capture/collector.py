@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextvars import ContextVar, Token
 from typing import Any, Protocol
-from uuid import UUID
+from uuid import UUID, uuid4
 
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.tracers.context import register_configure_hook
@@ -253,6 +253,17 @@ class TraceCollector(BaseCallbackHandler):
                 self._close_root(events, "chain_error", run, Raised.of(error))
             else:
                 events.append(("chain_error", run, None, None, Raised.of(error), time.time(), None))
+
+    def on_cached_task(self, node: str, inputs: Any, metadata: Mapping[str, Any], parent_run_id: UUID | None,
+                       outputs: Any, at: float) -> None:
+        """A node task a LangGraph cache answered (it did not run, and sent no callback; see cache_hits.py): it
+        is recorded as a node run of its graph run that started and ended at once, marked cached."""
+        parent = parent_run_id.int if parent_run_id is not None else None
+        events = self._runs.get(parent)
+        if events is not None:
+            run = uuid4().int
+            events.append(("chain_start", run, parent, metadata, inputs, at, "cached"))
+            events.append(("chain_end", run, None, None, outputs, at, None))
 
     def on_chat_model_start(self, serialized: Any, messages: Any, *, run_id: UUID, parent_run_id: UUID | None = None,
                             metadata: dict[str, Any] | None = None, **kwargs: Any) -> None:

@@ -74,6 +74,16 @@ def _found_as_a_subgraph() -> None:
     PregelProtocol.register(_FoundAsSubgraph)
 
 
+def _reporting_cache_hits(graph: Any) -> Any:
+    """The graph to run: a graph compiled with a cache runs as a copy whose cache reports its hits (nodes that
+    did not run, see cache_hits.py); the user's graph and cache are left as they are."""
+    if getattr(graph, "cache", None) is None or not hasattr(graph, "copy"):
+        return graph
+    from .cache_hits import RecordingCache
+
+    return graph.copy({"cache": RecordingCache(graph.cache)})
+
+
 def _with_handler(config: RunnableConfig | None, handler: TraceCollector, extra_metadata: Mapping[str, Any]) -> RunnableConfig:
     merged: dict[str, Any] = dict(config or {})
     callbacks = merged.get("callbacks")
@@ -421,7 +431,7 @@ class InstrumentedGraph(Runnable[Any, Any]):
         _check_compiled(graph)
         resolver = AgentResolver(agents)
         resolver.check(graph)
-        self.graph = graph
+        self.graph = _reporting_cache_hits(graph)
         self.store = store
         self.run = run
         self.agents = agents if resolver.function is not None else dict(resolver.mapping)  # as given, to reuse

@@ -143,6 +143,8 @@ def _where(action: Action) -> str:
         where += ", FAILED" if action.status == "error" else ", paused in interrupt()"
     if action.retry_of:
         where += ", made again after a failed model call"
+    if action.cached:
+        where += ", answered from the cache: it did not run"
     return where
 
 

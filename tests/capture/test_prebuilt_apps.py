@@ -47,9 +47,9 @@ def config(name: str, n: int) -> dict:
     return {"configurable": {"thread_id": f"{name}-{n}"}} if name in THREADED else {}
 
 
-def run_style(graph: Any, name: str, style: str, ns: list[int]) -> list[Any]:
+def run_style(graph: Any, name: str, style: str, ns: list[int], make_input: Any = None) -> list[Any]:
     """Run `graph` the way `style` says; returns one comparable output per call."""
-    make_input = APPS[name][1]
+    make_input = make_input or APPS[name][1]
     if style == "invoke":
         return [norm(graph.invoke(make_input(n), config(name, n))) for n in ns]
     if style in ("stream_updates", "stream_messages"):
@@ -504,6 +504,61 @@ def test_a_model_call_a_middleware_retried_or_fell_back_from_is_a_failed_call_an
         assert "a model was called again in its place" in said.split("### Tool feedback")[1]
         role = build_prompt(episode, replaced).messages[1].content.split("### The agent's role")[1].split("###")[0]
         assert f"made in place of a failed model call (#{failed.index}: {failed.error})" in role
+
+
+def _cached_team() -> Any:
+    """A node with a CachePolicy on a graph compiled with a cache, then a node without one; and the functional
+    API's cached `@task`s called by an entrypoint: on a cache hit LangGraph applies the node's stored writes
+    and never runs it."""
+    from langchain_core.messages import AIMessage
+    from langgraph.cache.memory import InMemoryCache
+    from langgraph.func import entrypoint, task
+    from langgraph.graph import START, MessagesState, StateGraph
+    from langgraph.types import CachePolicy
+
+    from tests.fakes import ScriptedChatModel
+
+    model = ScriptedChatModel(script=lambda messages: AIMessage(f"answer to {messages[-1].content}"))
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", lambda state: {"messages": [model.invoke(state["messages"])]},
+                   cache_policy=CachePolicy(key_func=lambda state: repr([m.content for m in state["messages"]])))
+    graph.add_node("post", lambda state: {"messages": [AIMessage("posted")]})
+    graph.add_edge(START, "agent")
+    graph.add_edge("agent", "post")
+
+    @task(cache_policy=CachePolicy())
+    def ask(question: str) -> str:
+        return model.invoke(question).content
+
+    @entrypoint(cache=InMemoryCache())
+    def workflow(question: str) -> list[str]:
+        return [ask(question).result(), ask(question + "?").result()]
+
+    return graph.compile(cache=InMemoryCache()), workflow
+
+
+@pytest.mark.parametrize("style", ["invoke", "stream_updates", "ainvoke", "astream", "batch"])
+def test_a_node_a_cache_answered_is_on_the_record_as_answered_from_cache(style: str) -> None:
+    from tests.capture.apps import message_input
+
+    for which, make_input in ((0, message_input), (1, lambda n: f"task-{n}")):
+        app = instrument(_cached_team()[which])
+        first = run_style(app, "cached", style, [1], make_input=make_input)
+        again = run_style(app, "cached", style, [1], make_input=make_input)
+        plain = _cached_team()[which]
+        assert [first, again] == [run_style(plain, "cached", style, [1], make_input=make_input) for _ in "12"]
+        app.flush()
+        missed, hit = app.episodes
+        if which == 0:
+            assert [(a.path, a.kind, a.cached) for a in missed.actions] == [
+                ("agent", "llm", False), ("post", "node", False)]
+            assert [(a.path, a.kind, a.cached) for a in hit.actions] == [("agent", "node", True), ("post", "node", False)]
+            assert hit.actions[0].node_output["messages"][0]["content"] == "answer to solve task-1"
+            text = build_prompt(hit, hit.actions[1]).messages[1].content
+            assert "#0 agent (node agent, answered from the cache: it did not run)" in text
+        else:
+            assert [(a.path, a.kind, a.cached, a.node_output) for a in hit.actions] == [
+                ("workflow/ask", "node", True, "answer to task-1"), ("workflow/ask", "node", True, "answer to task-1?")]
 
 
 def test_a_subagent_tool_that_paused_gives_its_result_to_the_call_that_asked(tmp_path) -> None:

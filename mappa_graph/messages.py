@@ -46,6 +46,8 @@ def message_to_dict(message: BaseMessage) -> dict[str, Any]:
             out["status"] = "error"
     if message.name:
         out["name"] = message.name
+    if message.type == "remove":  # a RemoveMessage is only the id of what it removes (or REMOVE_ALL_MESSAGES)
+        out["id"] = message.id
     return out
 
 

@@ -375,6 +375,8 @@ class EpisodeBuilder:
                 action.handoff = [target for command in commands for target in self._targets(command)] or None
             action.node_output = self._output(outputs)
             self._told(node_run, outputs, commands)
+            if any(getattr(m, "type", None) == "remove" for m in _messages_of(outputs, commands)):
+                _say_what_is_removed(action.node_output, _messages_of(node_run.raw_input, []), self._message)
         if run_id == self.root:
             self.episode.final_state = self._jsonable(outputs)
             self._root_end(at, extra)
@@ -760,6 +762,25 @@ def _calls_given(value: Any) -> dict[str, tuple[str, Any]]:
         found.update((c["id"], (c.get("name"), c.get("args"))) for c in getattr(message, "tool_calls", None) or ()
                      if c.get("id"))
     return found
+
+
+def _say_what_is_removed(output: Any, given: list[Any], as_dict: Callable[[Any], dict[str, Any]]) -> None:
+    """Give each removal in a node's recorded output the message it removes, from the node's input (or "all
+    messages"): the judge then tells a trim from a reset."""
+    if isinstance(output, list):
+        for value in output:
+            _say_what_is_removed(value, given, as_dict)
+    elif isinstance(output, dict):
+        if output.get("role") == "remove" and "id" in output:
+            if output["id"] == "__remove_all__":  # langgraph.graph.message.REMOVE_ALL_MESSAGES
+                output["removes"] = "all messages"
+            else:
+                found = next((m for m in given if getattr(m, "id", None) == output["id"]), None)
+                if found is not None:
+                    output["removes"] = as_dict(found)
+            return
+        for value in output.values():
+            _say_what_is_removed(value, given, as_dict)
 
 
 def _given_by(message: ToolMessage) -> str:

@@ -950,3 +950,24 @@ def test_an_async_only_checkpointer_still_gives_a_paused_episode_its_breakpoint_
         "interrupted", ["tools"], paused_at)
     assert (done.status, "paused_before" in done.metadata) == ("ok", False)
     assert (done.metadata.get("start_checkpoint_id"), done.metadata.get("end_checkpoint_id")) == (paused_at, done_at)
+
+
+def test_a_node_that_removes_messages_says_which_it_removed() -> None:
+    """RemoveMessage is nothing but the id of what it removes (or REMOVE_ALL_MESSAGES): kept, with the message
+    it removed from the node's input, so the judge can tell a trim from a reset."""
+    from langchain_core.messages import HumanMessage, RemoveMessage
+    from langgraph.graph import START, MessagesState, StateGraph
+    from langgraph.graph.message import REMOVE_ALL_MESSAGES
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("trim", lambda state: {"messages": [RemoveMessage(id=state["messages"][0].id)]})
+    graph.add_node("reset", lambda state: {"messages": [RemoveMessage(id=REMOVE_ALL_MESSAGES),
+                                                        HumanMessage("summary: two", id="s")]})
+    graph.add_edge(START, "trim")
+    graph.add_edge("trim", "reset")
+    app = instrument(graph.compile())
+    out, episode = app.run_episode({"messages": [HumanMessage("one", id="m1"), HumanMessage("two", id="m2")]})
+    assert [m.content for m in out["messages"]] == ["summary: two"]
+    trim, reset = (a.node_output["messages"] for a in episode.actions)
+    assert trim == [{"role": "remove", "content": "", "id": "m1", "removes": {"role": "user", "content": "one"}}]
+    assert reset[0] == {"role": "remove", "content": "", "id": REMOVE_ALL_MESSAGES, "removes": "all messages"}

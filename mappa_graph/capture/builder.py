@@ -500,6 +500,10 @@ class EpisodeBuilder:
             return [self._output(v) for v in value]
         if isinstance(value, self._command_type):
             record: dict[str, Any] = {"goto": self._targets(value)}
+            goto = value.goto if isinstance(value.goto, (list, tuple)) else [value.goto]
+            sends = [{"node": g.node, "arg": self._jsonable(g.arg)} for g in goto if isinstance(g, self._send_type)]
+            if sends:  # each Send's target gets an input of its own: what the node handed on
+                record["sends"] = sends
             if value.graph is not None:  # Command.PARENT, which LangGraph rewrites to the parent's namespace
                 record["graph"] = "parent"
             if value.update is not None:

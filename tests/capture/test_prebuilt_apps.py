@@ -971,3 +971,20 @@ def test_a_node_that_removes_messages_says_which_it_removed() -> None:
     trim, reset = (a.node_output["messages"] for a in episode.actions)
     assert trim == [{"role": "remove", "content": "", "id": "m1", "removes": {"role": "user", "content": "one"}}]
     assert reset[0] == {"role": "remove", "content": "", "id": REMOVE_ALL_MESSAGES, "removes": "all messages"}
+
+
+def test_a_command_that_sends_keeps_what_it_sent() -> None:
+    """Command(goto=[Send(node, arg)]) hands each target its own input: the record keeps it beside the targets."""
+    from langgraph.graph import START, StateGraph
+    from langgraph.types import Send
+
+    graph = StateGraph(Form)
+    graph.add_node("plan", lambda state: Command(goto=[Send("work", {"out": [f"part {i}"]}) for i in (1, 2)]))
+    graph.add_node("work", lambda state: {"out": [f"did {state['out'][-1]}"]})
+    graph.add_edge(START, "plan")
+    out, episode = instrument(graph.compile()).run_episode({"out": []})
+    assert out["out"] == ["did part 1", "did part 2"]
+    plan = episode.actions[0]
+    assert plan.handoff == ["work", "work"]
+    assert plan.node_output == {"command": {"goto": ["work", "work"], "sends": [
+        {"node": "work", "arg": {"out": ["part 1"]}}, {"node": "work", "arg": {"out": ["part 2"]}}]}}

@@ -53,9 +53,14 @@ def _check_compiled(graph: Any) -> None:
             "then instrument(graph.compile())"
         )
     if not isinstance(graph, Pregel):
+        inside = [getattr(graph, "bound", None), *(getattr(graph, "steps", None) or ())]
+        fix = ""
+        if any(isinstance(part, Pregel) for part in inside):  # a binding, a retry, a sequence around a graph
+            fix = (": it wraps a compiled graph: instrument the graph itself and wrap the instrumented one the same "
+                   "way (it is a Runnable), e.g. instrument(graph).with_retry(), prompt | instrument(graph)")
         raise TypeError(
             f"instrument() needs a compiled LangGraph graph (CompiledStateGraph / Pregel), got "
-            f"{type(graph).__name__}"
+            f"{type(graph).__name__}{fix}"
         )
 
 

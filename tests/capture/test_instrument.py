@@ -155,6 +155,13 @@ def test_uncompiled_graph_is_refused_with_the_fix() -> None:
         instrument(build_graph())
     with pytest.raises(TypeError, match="compiled LangGraph graph"):
         instrument(lambda x: x)
+    from langchain_core.runnables import RunnableLambda
+
+    graph = build_graph().compile()
+    for wrapped in (graph.with_retry(), graph.with_types(input_type=dict), RunnableLambda(lambda x: x) | graph):
+        with pytest.raises(TypeError, match=r"wraps a compiled graph: instrument the graph itself .*instrument\(graph\)"
+                                            r"\.with_retry\(\)"):
+            instrument(wrapped)
 
 
 

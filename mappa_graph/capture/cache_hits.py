@@ -59,17 +59,19 @@ def _report(caller: Any, found: Mapping[Any, Any]) -> None:
     tasks = getattr(caller.f_locals.get("self"), "tasks", None)
     if not isinstance(tasks, Mapping):
         return
+    # the tasks as LangGraph asks for them: of two with one key (two equal Sends), the later gets the writes and
+    # the other runs
+    asked = {(t.cache_key.ns, t.cache_key.key): t for t in tasks.values()
+             if getattr(t, "cache_key", None) is not None and not t.writes}
     at = time.time()
-    for task in tasks.values():
-        key = getattr(task, "cache_key", None)
-        if key is None or (key.ns, key.key) not in found:
+    for key, task in asked.items():
+        if key not in found:
             continue
         callbacks = task.config.get("callbacks")
         for handler in getattr(callbacks, "handlers", None) or ():
             if isinstance(handler, TraceCollector):
                 handler.on_cached_task(task.name, task.input, task.config.get("metadata") or {},
-                                       getattr(callbacks, "parent_run_id", None), _update(found[(key.ns, key.key)]),
-                                       at)
+                                       getattr(callbacks, "parent_run_id", None), _update(found[key]), at)
 
 
 def _update(writes: Any) -> Any:

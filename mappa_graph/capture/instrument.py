@@ -80,9 +80,11 @@ def _found_as_a_subgraph() -> None:
 
 
 def _reporting_cache_hits(graph: Any) -> Any:
-    """The graph to run: a graph compiled with a cache runs as a copy whose cache reports its hits (nodes that
-    did not run, see cache_hits.py); the user's graph and cache are left as they are."""
-    if getattr(graph, "cache", None) is None or not hasattr(graph, "copy"):
+    """The graph a call runs: a graph with a cache runs as a copy whose cache reports its hits (nodes that did
+    not run, see cache_hits.py), made per call (a shallow copy, as `with_config` makes, about 15 us) so that what
+    the user sets on their graph later (`graph.checkpointer = ...`) still holds; the user's graph and cache are
+    left as they are."""
+    if getattr(graph, "cache", None) is None:
         return graph
     from .cache_hits import RecordingCache
 
@@ -436,7 +438,7 @@ class InstrumentedGraph(Runnable[Any, Any]):
         _check_compiled(graph)
         resolver = AgentResolver(agents)
         resolver.check(graph)
-        self.graph = _reporting_cache_hits(graph)
+        self.graph = graph
         self.store = store
         self.run = run
         self.agents = agents if resolver.function is not None else dict(resolver.mapping)  # as given, to reuse
@@ -570,11 +572,16 @@ class InstrumentedGraph(Runnable[Any, Any]):
     def last_episode(self) -> Episode | None:
         return next(self.episodes_newest_first(), None)
 
+    @property
+    def _runs_on(self) -> Any:
+        """The graph each call runs (see `_reporting_cache_hits`)."""
+        return _reporting_cache_hits(self.graph)
+
     # ---- the Runnable interface ---------------------------------------------------------------------
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         cfg, collector = self._config(config, call_kwargs=kwargs)
         with bound(collector):
-            return self.graph.invoke(input, cfg, **kwargs)
+            return self._runs_on.invoke(input, cfg, **kwargs)
 
     async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         cfg, collector = self._config(config, call_kwargs=kwargs)
@@ -583,18 +590,18 @@ class InstrumentedGraph(Runnable[Any, Any]):
             if reads:
                 await collector.astart(cfg["configurable"]["thread_id"])
             with bound(collector):
-                return await self.graph.ainvoke(input, cfg, **kwargs)
+                return await self._runs_on.ainvoke(input, cfg, **kwargs)
         finally:
             if reads:
                 await collector.aend(self._apaused_before)
 
     def stream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[Any]:
         cfg, collector = self._config(config, call_kwargs=kwargs)
-        return bound_steps(collector, self.graph.stream(input, cfg, **kwargs))
+        return bound_steps(collector, self._runs_on.stream(input, cfg, **kwargs))
 
     def astream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> AsyncIterator[Any]:
         cfg, collector = self._config(config, call_kwargs=kwargs)
-        return abound_steps(collector, self.graph.astream(input, cfg, **kwargs), self._around(cfg, collector))
+        return abound_steps(collector, self._runs_on.astream(input, cfg, **kwargs), self._around(cfg, collector))
 
     def _around(self, config: RunnableConfig, collector: TraceCollector) -> tuple[Any, Any] | None:
         """What an async stream awaits before its first step and after its end: an async-only saver's reads."""
@@ -609,12 +616,12 @@ class InstrumentedGraph(Runnable[Any, Any]):
         itself from the run's first callback, as under `stream_events`."""
         cfg, collector = self._config(config, call_kwargs=kwargs)
         if kwargs.get("version") == "v3":
-            return self.graph.astream_events(input, cfg, **kwargs)
-        return abound_steps(collector, self.graph.astream_events(input, cfg, **kwargs), self._around(cfg, collector))
+            return self._runs_on.astream_events(input, cfg, **kwargs)
+        return abound_steps(collector, self._runs_on.astream_events(input, cfg, **kwargs), self._around(cfg, collector))
 
     def stream_events(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         cfg, _ = self._config(config, call_kwargs=kwargs)
-        return self.graph.stream_events(input, cfg, **kwargs)
+        return self._runs_on.stream_events(input, cfg, **kwargs)
 
     # batch, abatch, batch_as_completed: Runnable's, as the graph's own are (LangGraph does not override them);
     # each input then runs through invoke/ainvoke above, with a collector of its own bound in its own context.
@@ -637,7 +644,7 @@ class InstrumentedGraph(Runnable[Any, Any]):
         cfg, collector = self._config(config, task_id, reference, keep=True, call_kwargs=kwargs)
         try:
             with bound(collector):
-                output = self.graph.invoke(input, cfg, **kwargs)
+                output = self._runs_on.invoke(input, cfg, **kwargs)
         finally:
             collector.wait()
         return output, collector.episodes.pop()  # not left where a handoff's cyclic garbage reaches it
@@ -657,7 +664,7 @@ class InstrumentedGraph(Runnable[Any, Any]):
             if reads:
                 await collector.astart(cfg["configurable"]["thread_id"])
             with bound(collector):
-                output = await self.graph.ainvoke(input, cfg, **kwargs)
+                output = await self._runs_on.ainvoke(input, cfg, **kwargs)
         finally:
             if reads:
                 await collector.aend(self._apaused_before)

@@ -561,6 +561,34 @@ def test_a_node_a_cache_answered_is_on_the_record_as_answered_from_cache(style: 
                 ("workflow/ask", "node", True, "answer to task-1"), ("workflow/ask", "node", True, "answer to task-1?")]
 
 
+def test_a_cached_graph_still_sees_what_is_set_on_it_later_and_two_equal_sends_are_one_hit_and_one_run() -> None:
+    from langgraph.cache.memory import InMemoryCache
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import START, StateGraph
+    from langgraph.types import CachePolicy, Send
+
+    ran = []
+
+    def work(state: dict) -> dict:
+        ran.append(state["out"])
+        return {"out": ["done"]}
+
+    graph = StateGraph(Form)
+    graph.add_node("work", work, cache_policy=CachePolicy())
+    graph.add_conditional_edges(START, lambda state: [Send("work", {"out": ["x"]})] * 2, ["work"])
+    compiled = graph.compile(cache=InMemoryCache())
+    app = instrument(compiled)
+    assert app.cache is compiled.cache
+    compiled.checkpointer = InMemorySaver()  # wiring done after compile (and after instrument)
+    cfg = {"configurable": {"thread_id": "t"}}
+    app.invoke({"out": []}, cfg)
+    assert app.get_state(cfg).values["out"] == ["done", "done"]
+    ran.clear()
+    app.invoke({"out": []}, {"configurable": {"thread_id": "u"}})
+    assert len(ran) == 1  # LangGraph answers one of the two equal tasks from the cache and runs the other
+    assert sorted(a.cached for a in app.last_episode.actions) == [False, True]
+
+
 def test_a_subagent_tool_that_paused_gives_its_result_to_the_call_that_asked(tmp_path) -> None:
     from langchain.agents import create_agent
     from langchain_core.messages import AIMessage, HumanMessage, ToolMessage

@@ -64,9 +64,9 @@ class Action(BaseModel):
     and `status` is "interrupted" for a node paused by `interrupt()`. A node retried by its RetryPolicy gives one
     action per `attempt`; a failed attempt has status "error" and trains only when `train_failed` is set, and
     so does a model call whose node paused in `interrupt()` (the node reruns from its start on resume, so the
-    call's reply was thrown away like a failed attempt's). A model call made again inside one node task after
-    a failed one (ModelRetryMiddleware, ModelFallbackMiddleware, the node's own try/except) has `retry_of`, the
-    failed call's id: the failed call stays failed, and the judge reads the two as a retry. A node a LangGraph
+    call's reply was thrown away like a failed attempt's). A model call that asks again what the model call just
+    before it in the same node task asked and failed on (ModelRetryMiddleware, ModelFallbackMiddleware,
+    `with_fallbacks`, a node's own retry loop) has `retry_of`, the failed call's id: the failed call stays failed, and the judge reads the two as a retry. A node a LangGraph
     cache answered (a `CachePolicy` hit) did not run: it is a node action marked `cached`, with the stored update
     as its output.
     """

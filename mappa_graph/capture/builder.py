@@ -538,18 +538,18 @@ class EpisodeBuilder:
             template = node_run.action
             node, agent, path, attempt = template.node, template.agent, template.path, template.attempt
             last = node_run.llm_actions[-1] if node_run.llm_actions else None
-            retry_of = last.id if last is not None and last.status == "error" else None  # a retry or fallback
+            failed = last if last is not None and last.status == "error" else None  # a retry or a fallback?
             if router is not None:  # the router of the graph this node runs: the node's call, made there
                 node, agent, path = START_NODE, router.agent, "/".join(router.path)
         elif router is not None:  # the instrumented graph's own router, in the step it ran
             self.root_seq += 1
             key = ((router.step, router.task_path, 1, self.root_seq),)
-            node, agent, path, attempt, retry_of = START_NODE, router.agent, START_NODE, 1, None
+            node, agent, path, attempt, failed = START_NODE, router.agent, START_NODE, 1, None
         else:  # a model called outside any node task (the instrumented runnable is not a graph)
             self.root_seq += 1
             key = ((self.root_last_step, _LAST, 0, self.root_seq),)
             node = meta.get("langgraph_node") or "?"
-            agent, path, attempt, retry_of = self.agents((node,)), None, 1, None
+            agent, path, attempt, failed = self.agents((node,)), None, 1, None
         action = Action(
             episode_id=self.episode.id,
             kind="llm",
@@ -557,7 +557,6 @@ class EpisodeBuilder:
             agent=agent,
             path=path,
             attempt=attempt,
-            retry_of=retry_of,
             train_failed=self.train_failed,
             step=meta.get("langgraph_step"),
             checkpoint_ns=ns,
@@ -568,6 +567,8 @@ class EpisodeBuilder:
             temperature=_temperature(params.get("temperature", meta.get("ls_temperature"))),
             started_at=at,
         )
+        if failed is not None and failed.input_messages == action.input_messages:
+            action.retry_of = failed.id  # the same request made again (a retry, a fallback), not a new question
         self.llm_by_run[run_id] = (action, key)
         self.order.append((key, action))
         if node_run is not None:

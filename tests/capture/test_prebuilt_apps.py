@@ -505,6 +505,23 @@ def test_a_model_call_a_middleware_retried_or_fell_back_from_is_a_failed_call_an
         role = build_prompt(episode, replaced).messages[1].content.split("### The agent's role")[1].split("###")[0]
         assert f"made in place of a failed model call (#{failed.index}: {failed.error})" in role
 
+    # a node that goes on after a failed best-effort call to ask another question is not retrying it
+    from langchain_core.messages import HumanMessage
+    from langgraph.graph import START, MessagesState, StateGraph
+
+    def moderate_then_write(state: dict) -> dict:
+        try:
+            ScriptedChatModel(script=down).invoke([HumanMessage("is this ok?")])
+        except ConnectionError:
+            pass
+        return {"messages": [backup.invoke(state["messages"])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("writer", moderate_then_write)
+    graph.add_edge(START, "writer")
+    _, episode = instrument(graph.compile()).run_episode(message_input(1))
+    assert [(a.status, a.retry_of) for a in episode.actions] == [("error", None), ("ok", None)]
+
 
 def _cached_team() -> Any:
     """A node with a CachePolicy on a graph compiled with a cache, then a node without one; and the functional

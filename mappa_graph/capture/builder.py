@@ -190,6 +190,9 @@ class EpisodeBuilder:
         # conversation gives each branch of a Send fan-out the same ids, and each branch's tools (run by the
         # same task, or by a ToolNode of the same graph run) answer its own model call
         self.call_owner_in: dict[tuple[str, str | None, str], Action] = {}
+        # The model call whose reply (by message id: langchain gives each reply its run's) asked for tool calls:
+        # a tool task given that message has its owner, even where parallel branches' models reuse call ids
+        self.owner_of_message: dict[str, Action] = {}
         self.order: list[tuple[tuple[Any, ...], Action]] = []
         self.node_of_action: dict[str, _NodeRun] = {}
         self.interrupts: dict[str, Any] = {}  # by interrupt id: one interrupt bubbles through every level
@@ -473,8 +476,7 @@ class EpisodeBuilder:
             call_id, text = message.tool_call_id, content_text(message.content)
             # asked in this task or by a task of the same graph run: never "the latest call with this id", which
             # in a fan-out whose branches reuse ids is another branch's
-            owner = (self.call_owner_in.get(("task", ns, call_id))
-                     or self.call_owner_in.get(("graph", _graph_ns(ns), call_id)))
+            owner = self._owner(call_id, ns, latest=False)
             if owner is None and call_id not in _calls_given(node_run.raw_input):
                 continue  # no call asked for it: a made-up pair (langgraph-supervisor's "transferring back")
             known = owner.tool_results if owner is not None else node_run.tool_results
@@ -591,6 +593,8 @@ class EpisodeBuilder:
             action.output_message = {"role": "assistant", "content": getattr(generations[0], "text", "")}
             return
         action.output_message = self._message(message)
+        if action.output_message.get("tool_calls") and getattr(message, "id", None):
+            self.owner_of_message[message.id] = action
         for call in action.output_message.get("tool_calls", []):
             action.tool_calls.append(ToolCall(id=call.get("id"), name=call["name"], args=call.get("args", {})))
             if call.get("id"):
@@ -677,14 +681,19 @@ class EpisodeBuilder:
         if owner is not None:
             owner.tool_results.append(result)
 
-    def _owner(self, call_id: str | None, tool_ns: str | None) -> Action | None:
-        """The model call that asked for a tool call: the one in the tool's own task, else in its graph run,
-        else the latest."""
+    def _owner(self, call_id: str | None, tool_ns: str | None, latest: bool = True) -> Action | None:
+        """The model call that asked for a tool call: the one in the tool's own task, else the one whose reply
+        the tool's task was given, else one in its graph run, else (with `latest`) the latest."""
         if not call_id:
             return None
         found = self.call_owner_in
-        return (found.get(("task", tool_ns, call_id)) or found.get(("graph", _graph_ns(tool_ns), call_id))
-                or self.call_owner.get(call_id))
+        owner = found.get(("task", tool_ns, call_id))
+        if owner is None and self.owner_of_message and tool_ns is not None:
+            node_run = self.node_by_ns.get(tool_ns)
+            if node_run is not None:
+                owner = self.owner_of_message.get(_message_asking(node_run.raw_input, call_id))
+        return (owner or found.get(("graph", _graph_ns(tool_ns), call_id))
+                or (self.call_owner.get(call_id) if latest else None))
 
     # ---- the episode ----------------------------------------------------------------------------------------
     def _finish(self) -> Episode:
@@ -786,6 +795,17 @@ def _say_what_is_removed(output: Any, given: list[Any], as_dict: Callable[[Any],
             return
         for value in output.values():
             _say_what_is_removed(value, given, as_dict)
+
+
+def _message_asking(value: Any, call_id: str) -> str | None:
+    """The id of the latest message in a task's input (its state, or the state beside the tool call
+    create_agent's tools task is given) that asked for tool call `call_id`."""
+    if isinstance(value, Mapping) and value.get("__type") == "tool_call_with_context":
+        value = value.get("state")
+    for message in reversed(_messages_of(value, [])):
+        if any(c.get("id") == call_id for c in getattr(message, "tool_calls", None) or ()):
+            return getattr(message, "id", None)
+    return None
 
 
 def _given_by(message: ToolMessage) -> str:

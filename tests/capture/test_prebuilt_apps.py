@@ -1033,3 +1033,35 @@ def test_a_command_that_sends_keeps_what_it_sent() -> None:
     assert plan.handoff == ["work", "work"]
     assert plan.node_output == {"command": {"goto": ["work", "work"], "sends": [
         {"node": "work", "arg": {"out": ["part 1"]}}, {"node": "work", "arg": {"out": ["part 2"]}}]}}
+
+
+def test_parallel_branches_whose_models_reuse_a_call_id_each_get_their_own_results() -> None:
+    """Local providers and fakes number tool calls from zero in every reply (`call_0`): two branches' models
+    ask with one id, and each tool task, given its own model's reply, belongs to that model call."""
+    import time
+
+    from langchain_core.messages import HumanMessage
+    from langgraph.graph import START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode
+    from langgraph.types import Send
+
+    from tests.capture.apps import call, search
+    from tests.fakes import ScriptedChatModel
+
+    model = ScriptedChatModel(script=lambda messages: call("search", {"query": messages[-1].content}, "call_0"))
+
+    def ask(state: dict) -> Command:
+        reply = model.invoke([HumanMessage(state["messages"][-1].content)])
+        if reply.tool_calls[0]["args"]["query"] == "cats":
+            time.sleep(0.1)  # the other branch's model replies later but its tool runs first
+        return Command(goto=[Send("tools", {"messages": [reply]})])
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("ask", ask)
+    graph.add_node("tools", ToolNode([search]))
+    graph.add_conditional_edges(START, lambda state: [Send("ask", {"messages": [HumanMessage(topic)]})
+                                                      for topic in ("cats", "dogs")], ["ask"])
+    _, episode = instrument(graph.compile()).run_episode({"messages": []})
+    asked = [a for a in episode.actions if a.kind == "llm"]
+    assert [([c.args["query"] for c in a.tool_calls], [(r.output, r.ran_call) for r in a.tool_results])
+            for a in asked] == [(["cats"], [(search.invoke("cats"), None)]), (["dogs"], [(search.invoke("dogs"), None)])]

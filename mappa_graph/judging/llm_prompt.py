@@ -15,7 +15,7 @@ from langchain_core.messages import BaseMessage, HumanMessage, SystemMessage
 
 from ..errors import ReplyError
 from ..messages import content_text
-from ..traces import Action, Episode
+from ..traces import Action, Episode, ToolCall
 
 PROMPT_VERSION = "mappa-judge-1"  # part of every cache key: bump it when the prompt's wording changes
 
@@ -75,8 +75,12 @@ def _render_messages(messages: Iterable[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _call_text(call: ToolCall) -> str:
+    return f"{call.name}({json.dumps(call.args, ensure_ascii=False, default=str)})"
+
+
 def _render_tools(action: Action, retried: bool = False, replaced: bool = False) -> tuple[str, str]:
-    calls = "\n".join(f"{c.name}({json.dumps(c.args, ensure_ascii=False, default=str)})" for c in action.tool_calls)
+    calls = "\n".join(_call_text(c) for c in action.tool_calls)
     results = []
     for r in action.tool_results:
         head = f"{r.name}" + (f" (call {r.tool_call_id})" if r.tool_call_id else "")
@@ -86,8 +90,7 @@ def _render_tools(action: Action, retried: bool = False, replaced: bool = False)
             continue
         said = f"{head} output:\n"
         if r.ran_call is not None:
-            ran = f"{r.ran_call.name}({json.dumps(r.ran_call.args, ensure_ascii=False, default=str)})"
-            said = (f"{head} was changed before it ran: {ran} ran instead (a human reviewer's edit or a "
+            said = (f"{head} was changed before it ran: {_call_text(r.ran_call)} ran instead (a human reviewer's edit or a "
                     "middleware); its output:\n")
         elif r.given_by is not None:
             said = f"{head}: the tool did not run: {_stand_in(r.given_by)}; the model was told:\n"
